@@ -1,0 +1,1 @@
+"""The capture patch: everything that runs inside the SGLang server process."""

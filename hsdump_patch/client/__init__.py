@@ -1,0 +1,1 @@
+"""The extraction client: sends prompts to a patched server and writes training records."""

@@ -1,0 +1,1 @@
+"""Operations helpers used in the container image and by the Ansible roles."""

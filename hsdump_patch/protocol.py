@@ -1,0 +1,319 @@
+"""The file protocol between the capture patch (inside SGLang) and the client.
+
+This module is the single definition of the on-disk layout; both sides import it and
+``docs/protocol.md`` describes it for humans. It deliberately imports nothing heavy
+(no torch) so that the reading side can be used in small tools.
+
+Layout under the dump directory (``SGLANG_HS_DUMP_DIR``, mode 0700)::
+
+    server.json                       written once per writer rank at start-up
+    <rid-dir>/                        one per request, mode 0700
+        chunk-<prefix_len:010d>.safetensors   one per prefill chunk, mode 0600
+        done.json                     the whole prompt is covered
+        error.json                    the request cannot be dumped; reason inside
+
+Every file appears under its final name only when complete (temp file + rename);
+names starting with ``.`` are in-progress temp files and never part of the protocol.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import urllib.parse
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+FORMAT_VERSION = 1
+
+SERVER_INFO = "server.json"
+DONE_MARKER = "done.json"
+ERROR_MARKER = "error.json"
+CHUNK_PREFIX = "chunk-"
+CHUNK_SUFFIX = ".safetensors"
+
+# Tensor names inside a chunk file.
+# [n, S, H] in the model dtype. Slot s < K holds the residual stream at the input of decoder
+# layer ``layers[s]`` (= HF output_hidden_states[layers[s]]); when ``has_final`` the last slot
+# holds the post-final-norm hidden state (what feeds lm_head; SpecForge's ``hidden_state``).
+HIDDEN_KEY = "hidden_states"
+INPUT_IDS_KEY = "input_ids"  # [n], int64
+POSITIONS_KEY = "positions"  # [n], int64
+
+DIR_MODE = 0o700
+FILE_MODE = 0o600
+
+# safetensors dtype names <-> torch dtype names (kept as strings: no torch import here).
+SAFETENSORS_DTYPES = {
+    "bfloat16": "BF16",
+    "float16": "F16",
+    "float32": "F32",
+    "float64": "F64",
+    "int64": "I64",
+    "int32": "I32",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+}
+ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+class ProtocolError(RuntimeError):
+    """A dump directory does not follow the protocol (missing, inconsistent or corrupt)."""
+
+
+def rid_dirname(rid: str) -> str:
+    """Return the directory name for a request id: percent-encoded so any rid is a safe name."""
+    if not rid:
+        raise ValueError("empty request id")
+    name = urllib.parse.quote(rid, safe="-_")
+    # '.' is encoded too, so a rid can never be '.', '..' or a hidden temp name.
+    return name.replace(".", "%2E")
+
+
+def rid_dir(dump_dir: str | os.PathLike[str], rid: str) -> Path:
+    """Return the directory holding one request's files."""
+    return Path(dump_dir) / rid_dirname(rid)
+
+
+def chunk_filename(prefix_len: int) -> str:
+    """Return the file name of the chunk whose first token is at position ``prefix_len``."""
+    return f"{CHUNK_PREFIX}{prefix_len:010d}{CHUNK_SUFFIX}"
+
+
+def parse_chunk_filename(name: str) -> int | None:
+    """Return the prefix length encoded in a chunk file name, or None for other names."""
+    if not (name.startswith(CHUNK_PREFIX) and name.endswith(CHUNK_SUFFIX)):
+        return None
+    digits = name[len(CHUNK_PREFIX) : -len(CHUNK_SUFFIX)]
+    return int(digits) if digits.isdigit() else None
+
+
+def temp_path(final: Path) -> Path:
+    """Return a unique hidden temp name beside ``final`` (same filesystem, so rename is atomic)."""
+    return final.with_name(f".{final.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}")
+
+
+def make_private_dir(path: Path) -> None:
+    """Create ``path`` (and parents) with mode 0700, tightening an existing directory."""
+    path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+    if path.stat().st_mode & 0o777 != DIR_MODE:
+        os.chmod(path, DIR_MODE)
+
+
+def write_json_atomic(path: Path, payload: Mapping[str, Any]) -> None:
+    """Write a small JSON file atomically with mode 0600."""
+    tmp = temp_path(path)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(payload, f, sort_keys=True)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+# --------------------------------------------------------------------------------------
+# safetensors header (the writer streams raw bytes after it, without an extra copy)
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Name, safetensors dtype and shape of one tensor in a chunk file."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = ITEMSIZE[self.dtype]
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def safetensors_header(specs: Iterable[TensorSpec], metadata: Mapping[str, str]) -> bytes:
+    """Return the safetensors header (length prefix + JSON, 8-byte aligned) for ``specs``.
+
+    The tensors' raw bytes follow in the order given, back to back.
+    """
+    header: dict[str, Any] = {"__metadata__": dict(metadata)}
+    offset = 0
+    for spec in specs:
+        header[spec.name] = {
+            "dtype": spec.dtype,
+            "shape": list(spec.shape),
+            "data_offsets": [offset, offset + spec.nbytes],
+        }
+        offset += spec.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+# --------------------------------------------------------------------------------------
+# Metadata carried by each chunk and by server.json
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ChunkMeta:
+    """Metadata stored in every chunk file's safetensors ``__metadata__``."""
+
+    rid: str
+    prefix_len: int
+    layers: tuple[int, ...]
+    has_final: bool
+    model: str
+    tp_size: int
+    sglang_version: str
+    hsdump_version: str
+    format_version: int = FORMAT_VERSION
+
+    def to_strings(self) -> dict[str, str]:
+        return {
+            "rid": self.rid,
+            "prefix_len": str(self.prefix_len),
+            "layers": json.dumps(list(self.layers)),
+            "has_final": "1" if self.has_final else "0",
+            "model": self.model,
+            "tp_size": str(self.tp_size),
+            "sglang_version": self.sglang_version,
+            "hsdump_version": self.hsdump_version,
+            "format_version": str(self.format_version),
+        }
+
+    @classmethod
+    def from_strings(cls, meta: Mapping[str, str]) -> ChunkMeta:
+        try:
+            return cls(
+                rid=meta["rid"],
+                prefix_len=int(meta["prefix_len"]),
+                layers=tuple(json.loads(meta["layers"])),
+                has_final=meta["has_final"] == "1",
+                model=meta["model"],
+                tp_size=int(meta["tp_size"]),
+                sglang_version=meta["sglang_version"],
+                hsdump_version=meta["hsdump_version"],
+                format_version=int(meta["format_version"]),
+            )
+        except (KeyError, ValueError) as e:
+            raise ProtocolError(f"chunk metadata is incomplete or malformed: {e!r}") from e
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """What the capture patch announces in ``server.json`` when it is installed."""
+
+    model: str
+    architecture: str
+    layers: tuple[int, ...]
+    layers_source: str
+    has_final: bool
+    hidden_size: int
+    num_hidden_layers: int
+    dtype: str
+    tp_size: int
+    rid_prefix: str
+    sglang_version: str
+    hsdump_version: str
+    pid: int
+    format_version: int = FORMAT_VERSION
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of hidden states one prompt token produces in the dump dir."""
+        itemsize = ITEMSIZE[SAFETENSORS_DTYPES[self.dtype]]
+        return (len(self.layers) + int(self.has_final)) * self.hidden_size * itemsize
+
+    def to_json(self) -> dict[str, Any]:
+        out = dict(self.__dict__)
+        out["layers"] = list(self.layers)
+        return out
+
+    @classmethod
+    def from_json(cls, payload: Mapping[str, Any]) -> ServerInfo:
+        data = dict(payload)
+        data["layers"] = tuple(data["layers"])
+        return cls(**data)
+
+
+def read_server_info(dump_dir: str | os.PathLike[str]) -> ServerInfo:
+    """Read ``server.json``; raise ProtocolError with a hint if dumping is not active."""
+    path = Path(dump_dir) / SERVER_INFO
+    try:
+        return ServerInfo.from_json(json.loads(path.read_text()))
+    except FileNotFoundError:
+        raise ProtocolError(
+            f"{path} does not exist: the hsdump capture patch is not active on this server "
+            "(is hsdump installed in the server's environment and SGLANG_HS_DUMP_DIR set to "
+            "this directory?)"
+        ) from None
+    except (ValueError, TypeError, KeyError) as e:
+        raise ProtocolError(f"{path} is malformed: {e!r}") from e
+
+
+# --------------------------------------------------------------------------------------
+# Reading a request's files (client side)
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RequestStatus:
+    """What the markers of one request directory say."""
+
+    done: dict[str, Any] | None
+    error: dict[str, Any] | None
+
+    @property
+    def finished(self) -> bool:
+        return self.done is not None or self.error is not None
+
+
+def _read_json_or_none(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+
+
+def request_status(dump_dir: str | os.PathLike[str], rid: str) -> RequestStatus:
+    """Return the done/error markers of a request (None where absent)."""
+    d = rid_dir(dump_dir, rid)
+    return RequestStatus(
+        done=_read_json_or_none(d / DONE_MARKER), error=_read_json_or_none(d / ERROR_MARKER)
+    )
+
+
+def list_chunks(dump_dir: str | os.PathLike[str], rid: str) -> list[tuple[int, Path]]:
+    """Return ``(prefix_len, path)`` for every complete chunk of a request, sorted."""
+    d = rid_dir(dump_dir, rid)
+    try:
+        names = os.listdir(d)
+    except FileNotFoundError:
+        return []
+    chunks = [(p, d / n) for n in names if (p := parse_chunk_filename(n)) is not None]
+    return sorted(chunks)
+
+
+def check_coverage(prefix_lens_and_sizes: Iterable[tuple[int, int]], prompt_len: int) -> None:
+    """Raise ProtocolError unless the chunks cover ``[0, prompt_len)`` contiguously, once."""
+    pos = 0
+    for prefix_len, n in prefix_lens_and_sizes:
+        if prefix_len != pos:
+            kind = "gap" if prefix_len > pos else "overlap"
+            raise ProtocolError(
+                f"chunks do not cover the prompt contiguously: {kind} at token {pos} "
+                f"(next chunk starts at {prefix_len})"
+            )
+        if n <= 0:
+            raise ProtocolError(f"empty chunk at token {prefix_len}")
+        pos += n
+    if pos != prompt_len:
+        raise ProtocolError(f"chunks cover {pos} tokens but the prompt has {prompt_len}")
