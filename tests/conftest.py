@@ -1,0 +1,96 @@
+"""Shared fixtures: tiny models and real CPU SGLang servers, each kind started once.
+
+Servers are expensive (20-40 s to start, several GB): the main dump-enabled server of each
+model is session-scoped and shared by every test module; specialised servers are started by
+the module that needs them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.harness import server as srv
+
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+# Small chunks so ordinary test prompts are split across several prefill forwards.
+CHUNK = 32
+
+
+def require(condition: bool, what: str) -> None:
+    """Skip when a prerequisite is missing locally; fail in CI, where nothing may be skipped."""
+    if condition:
+        return
+    if IN_CI:
+        pytest.fail(f"missing prerequisite in CI: {what}")
+    pytest.skip(f"missing prerequisite: {what}")
+
+
+@pytest.fixture(scope="session")
+def sglang_available() -> None:
+    require(importlib.util.find_spec("sglang") is not None, "sglang==0.5.23 importable")
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory, sglang_available) -> Path:
+    """Directory with ``tiny-llama`` and ``tiny-deepseek-v3`` random-weight checkpoints."""
+    from tests.harness import make_models
+
+    out = tmp_path_factory.mktemp("models")
+    make_models.make_llama(out / "tiny-llama")
+    make_models.make_deepseek_v3(out / "tiny-deepseek-v3")
+    return out
+
+
+@dataclass
+class DumpServer:
+    """A running server with the capture patch active, and its dump directory."""
+
+    server: srv.Server
+    dump_dir: Path
+    model: Path
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+
+def start_dump_server(tmp: Path, model: Path, name: str, *, args: list[str] = (),
+                      env: dict[str, str] | None = None, tp: int = 1,
+                      dump: bool = True) -> DumpServer:
+    """Start a server for ``model``; with ``dump`` the patch is on, writing under ``tmp``."""
+    dump_dir = tmp / f"dump-{name}"
+    full_env = {"SGLANG_HS_DUMP_DIR": str(dump_dir)} if dump else {}
+    full_env.update(env or {})
+    server = srv.start(model, tmp / f"server-{name}.log", args=list(args), env=full_env, tp=tp)
+    return DumpServer(server, dump_dir, model)
+
+
+def _dump_server(tmp_path_factory, tiny_models: Path, model: str) -> Iterator[DumpServer]:
+    tmp = tmp_path_factory.mktemp(f"{model}-server")
+    s = start_dump_server(
+        tmp, tiny_models / model, model,
+        args=["--chunked-prefill-size", str(CHUNK), "--enable-return-aux-hidden-states",
+              "--speculative-algorithm", "EAGLE3"],
+        env={"SGLANG_HS_DUMP_FINAL": "1"},
+    )
+    yield s
+    s.server.stop()
+
+
+@pytest.fixture(scope="session")
+def llama_server(tmp_path_factory, tiny_models) -> Iterator[DumpServer]:
+    """Tiny Llama, dump on (auto layers + final state), chunked prefill of CHUNK tokens, and
+    SGLang's own aux capture on (``return_hidden_states`` returns the EAGLE-3 layers)."""
+    yield from _dump_server(tmp_path_factory, tiny_models, "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def deepseek_server(tmp_path_factory, tiny_models) -> Iterator[DumpServer]:
+    """Tiny DeepSeek-V3 (MLA + MoE), configured like ``llama_server``."""
+    yield from _dump_server(tmp_path_factory, tiny_models, "tiny-deepseek-v3")
