@@ -8,7 +8,10 @@ import sys
 
 # Each module defines ``add_parser(subparsers)``, which registers one sub-command and sets
 # ``func`` (taking the parsed namespace, returning an exit code) as its default.
-SUBCOMMAND_MODULES: tuple[str, ...] = ()
+SUBCOMMAND_MODULES: tuple[str, ...] = (
+    "hsdump_patch.ops.serve",
+    "hsdump_patch.ops.doctor",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
