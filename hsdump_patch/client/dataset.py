@@ -1,0 +1,301 @@
+"""Reading the input dataset: JSONL chat rows or pre-tokenized rows -> token ids + loss mask.
+
+Accepted row shapes (one JSON object per line, blank lines ignored):
+
+* ``{"id": ..., "messages": [{"role": "user", "content": "..."}, ...]}`` (OpenAI style)
+* ``{"id": ..., "conversations": [{"from": "human", "value": "..."}, ...]}`` (ShareGPT style)
+* ``{"id": ..., "input_ids": [...], "loss_mask": [...]}`` (pre-tokenized)
+
+``id`` is optional (the 1-based line number is used instead). Chat rows are rendered with the
+model's own chat template; the loss mask is 1 exactly on the tokens of assistant turns, found
+from render boundaries: the text of the conversation up to an assistant turn (with the
+generation prompt) and up to its end are both prefixes of the whole rendering, and the tokens
+between them are that turn's tokens. This needs no ``{% generation %}`` tags.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+# ShareGPT speaker names -> chat-template roles.
+SHAREGPT_ROLES = {
+    "human": "user", "user": "user",
+    "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "model": "assistant",
+    "bing": "assistant",
+    "system": "system",
+    "tool": "tool", "function": "tool", "observation": "tool",
+}
+CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
+MAX_ID_CHARS = 200  # the id becomes a file name (percent-encoded)
+
+
+class SampleError(ValueError):
+    """A dataset row cannot be turned into a sample; ``where`` is ``file:line``."""
+
+    def __init__(self, where: str, problem: str, sample_id: str | None = None) -> None:
+        super().__init__(f"{where}: {problem}")
+        self.where = where
+        self.problem = problem
+        self.sample_id = sample_id
+
+
+@dataclass(frozen=True)
+class RowRef:
+    """Where one dataset row is: its id, line number and byte offset in the file."""
+
+    id: str
+    line: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One tokenized sample, ready to be sent."""
+
+    id: str
+    where: str
+    input_ids: list[int]
+    loss_mask: list[int]
+
+    @property
+    def digest(self) -> str:
+        """A hash of the tokens and mask: a resumed run checks it to catch a changed dataset."""
+        h = hashlib.sha256()
+        h.update(json.dumps([self.input_ids, self.loss_mask], separators=(",", ":")).encode())
+        return h.hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Shard ``index`` of ``count``: a deterministic, disjoint subset of the sample ids."""
+
+    index: int = 0
+    count: int = 1
+
+    @classmethod
+    def parse(cls, text: str) -> Shard:
+        """Parse ``i/N`` (0 <= i < N)."""
+        try:
+            i, n = (int(p) for p in text.split("/"))
+        except ValueError:
+            raise ValueError(f"--shard {text!r} is not of the form i/N, e.g. 0/4") from None
+        if n < 1 or not 0 <= i < n:
+            raise ValueError(f"--shard {text!r}: need 0 <= i < N")
+        return cls(i, n)
+
+    def __str__(self) -> str:
+        return f"{self.index}/{self.count}"
+
+    @property
+    def tag(self) -> str:
+        """A file-name friendly form: ``shard-0-of-4``."""
+        return f"shard-{self.index}-of-{self.count}"
+
+    def contains(self, sample_id: str) -> bool:
+        """Hash-based membership: stable when rows are reordered or appended."""
+        if self.count == 1:
+            return True
+        h = hashlib.blake2b(sample_id.encode(), digest_size=8).digest()
+        return int.from_bytes(h, "big") % self.count == self.index
+
+
+def _row_id(obj: dict[str, Any], line: int, where: str) -> str:
+    raw = obj.get("id", line)
+    if isinstance(raw, bool) or not isinstance(raw, (str, int)):
+        raise SampleError(where, f'"id" must be a string or an integer, got {type(raw).__name__}')
+    sample_id = str(raw)
+    if not sample_id or len(sample_id) > MAX_ID_CHARS:
+        raise SampleError(where, f'"id" must have 1 to {MAX_ID_CHARS} characters')
+    return sample_id
+
+
+def _parse_line(raw: bytes, where: str) -> dict[str, Any]:
+    try:
+        obj = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SampleError(
+            where, f"not valid JSON ({e}); each line must be one JSON object") from None
+    if not isinstance(obj, dict):
+        raise SampleError(where, f"expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def index_dataset(path: Path) -> tuple[list[RowRef], list[SampleError]]:
+    """Read every line's id; return the rows and the lines that are malformed.
+
+    Only JSON syntax, the id and id uniqueness are checked here; the shape of each row is
+    checked when it is loaded (:func:`load_sample`).
+    """
+    rows: list[RowRef] = []
+    errors: list[SampleError] = []
+    seen: dict[str, int] = {}
+    with open(path, "rb") as f:
+        offset = 0
+        for line_no, raw in enumerate(f, start=1):
+            where = f"{path}:{line_no}"
+            start, offset = offset, offset + len(raw)
+            if not raw.strip():
+                continue
+            try:
+                sample_id = _row_id(_parse_line(raw, where), line_no, where)
+                if sample_id in seen:
+                    raise SampleError(
+                        where, f"duplicate id {sample_id!r} (first on line {seen[sample_id]}); "
+                        "ids must be unique because they name the output files", sample_id)
+            except SampleError as e:
+                errors.append(e)
+                continue
+            seen[sample_id] = line_no
+            rows.append(RowRef(sample_id, line_no, start))
+    return rows, errors
+
+
+def _int_list(value: Any, key: str, where: str) -> list[int]:
+    if not isinstance(value, list) or not all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    ):
+        raise SampleError(where, f'"{key}" must be a list of integers')
+    return value
+
+
+def _messages(obj: dict[str, Any], where: str) -> list[dict[str, Any]]:
+    """Return the conversation as chat-template messages (role + content)."""
+    if "messages" in obj:
+        turns, role_key, text_key = obj["messages"], "role", "content"
+    else:
+        turns, role_key, text_key = obj["conversations"], "from", "value"
+    key = "messages" if "messages" in obj else "conversations"
+    if not isinstance(turns, list) or not turns:
+        raise SampleError(where, f'"{key}" must be a non-empty list of turns')
+    out = []
+    for k, turn in enumerate(turns):
+        if not isinstance(turn, dict) or role_key not in turn or text_key not in turn:
+            raise SampleError(
+                where, f'{key}[{k}] must be an object with "{role_key}" and "{text_key}"')
+        role, text = turn[role_key], turn[text_key]
+        if not isinstance(text, str):
+            raise SampleError(where, f'{key}[{k}].{text_key} must be a string')
+        if role_key == "from":
+            if role not in SHAREGPT_ROLES:
+                raise SampleError(where, f"{key}[{k}]: unknown speaker {role!r} (known: "
+                                  f"{', '.join(sorted(SHAREGPT_ROLES))})")
+            out.append({"role": SHAREGPT_ROLES[role], "content": text})
+        else:
+            if role not in CHAT_ROLES:
+                raise SampleError(where, f"{key}[{k}]: unknown role {role!r} (known: "
+                                  f"{', '.join(sorted(CHAT_ROLES))})")
+            out.append({**turn, "role": role, "content": text})
+    return out
+
+
+class ChatRenderer:
+    """Turns a conversation into token ids and an assistant-token loss mask."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                "the model's tokenizer has no chat template: chat rows cannot be rendered; "
+                'pre-tokenize the dataset into {"id", "input_ids", "loss_mask"} rows instead')
+        self.tokenizer = tokenizer
+
+    def _render(self, messages: Sequence[dict[str, Any]], generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=generation_prompt)
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def render(self, messages: Sequence[dict[str, Any]], where: str) -> tuple[list[int], list[int]]:
+        """Return ``(input_ids, loss_mask)`` for a conversation."""
+        try:
+            full = self._render(messages, False)
+            ids = self._encode(full)
+            mask = [0] * len(ids)
+            for i, m in enumerate(messages):
+                if m["role"] != "assistant":
+                    continue
+                start = self._render(messages[:i], True) if i else ""
+                end = self._render(messages[: i + 1], False)
+                lo = self._token_boundary(full, ids, start, i, where)
+                hi = self._token_boundary(full, ids, end, i + 1, where)
+                mask[lo:hi] = [1] * (hi - lo)
+        except SampleError:
+            raise
+        except Exception as e:  # template errors come as jinja2 / ValueError / TypeError
+            raise SampleError(where, f"the chat template failed on this row: {e}") from None
+        return ids, mask
+
+    def _token_boundary(self, full: str, ids: list[int], prefix: str, n_msgs: int,
+                        where: str) -> int:
+        if not full.startswith(prefix):
+            raise SampleError(
+                where, f"the chat template renders the first {n_msgs} message(s) differently "
+                "from the same messages inside the whole conversation (it rewrites earlier "
+                "turns), so assistant tokens cannot be located; pre-tokenize this dataset")
+        if len(prefix) == len(full):
+            return len(ids)
+        head = self._encode(prefix)
+        if ids[: len(head)] != head:
+            raise SampleError(
+                where, f"the end of the first {n_msgs} rendered message(s) falls inside a "
+                "token of the whole conversation, so the assistant tokens are ambiguous; "
+                "pre-tokenize this dataset")
+        return len(head)
+
+
+def load_sample(f: BinaryIO, path: Path, ref: RowRef, renderer: ChatRenderer | None,
+                max_len: int | None) -> Sample:
+    """Read (from the open file ``f``), validate and tokenize one row.
+
+    Raises :class:`SampleError` naming file and line.
+    """
+    where = f"{path}:{ref.line}"
+    f.seek(ref.offset)
+    try:
+        obj = _parse_line(f.readline(), where)
+        if "input_ids" in obj:
+            ids = _int_list(obj["input_ids"], "input_ids", where)
+            if "loss_mask" not in obj:
+                raise SampleError(
+                    where, 'a pre-tokenized row needs "loss_mask" next to "input_ids"')
+            mask = _int_list(obj["loss_mask"], "loss_mask", where)
+            if len(mask) != len(ids):
+                raise SampleError(where, f'"loss_mask" has {len(mask)} entries but "input_ids" '
+                                  f"has {len(ids)}")
+            if any(v not in (0, 1) for v in mask):
+                raise SampleError(where, '"loss_mask" must contain only 0 and 1')
+        elif "messages" in obj or "conversations" in obj:
+            if renderer is None:
+                raise SampleError(where, "chat rows need the model's tokenizer (--model)")
+            ids, mask = renderer.render(_messages(obj, where), where)
+        else:
+            raise SampleError(where, 'a row needs "messages" (OpenAI style), "conversations" '
+                              '(ShareGPT style) or "input_ids" + "loss_mask" (pre-tokenized)')
+        if max_len is not None:
+            ids, mask = ids[:max_len], mask[:max_len]
+        if not ids:
+            raise SampleError(where, "the sample has no tokens")
+        if not any(mask):
+            cut = f" within the first {max_len} tokens (--max-len)" if max_len else ""
+            raise SampleError(where, f"the loss mask is all zeros{cut}: the sample has no "
+                              "assistant tokens to train on")
+    except SampleError as e:
+        e.sample_id = ref.id
+        raise
+    return Sample(ref.id, where, ids, mask)
+
+
+def iter_samples(path: Path, refs: Sequence[RowRef], renderer: ChatRenderer | None,
+                 max_len: int | None) -> Iterator[Sample | SampleError]:
+    """Yield each referenced row as a Sample, or the SampleError explaining why it is bad."""
+    with open(path, "rb") as f:
+        for ref in refs:
+            try:
+                yield load_sample(f, path, ref, renderer, max_len)
+            except SampleError as e:
+                yield e

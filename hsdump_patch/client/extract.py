@@ -1,0 +1,540 @@
+"""The ``hsdump extract`` sub-command: send a dataset through a dump-enabled SGLang server and
+write one training record per sample.
+
+Per sample: a ``/generate`` request with the token ids, ``max_new_tokens`` 0 and the rid
+``<prefix><id>``; a check of ``meta_info`` (no cached tokens, the whole prompt counted); a wait
+for the done/error marker; the chunks read, cross-checked and assembled; the record written
+atomically to ``--out``; the request's files deleted from the dump dir. Requests run with
+bounded concurrency and bounded hidden-state bytes in the dump dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import requests
+from tqdm import tqdm
+
+from hsdump_patch import protocol
+from hsdump_patch.capture.config import DEFAULT_RID_PREFIX, ENV_DIR, ConfigError, parse_size
+from hsdump_patch.client import assemble, records
+from hsdump_patch.client.dataset import (
+    ChatRenderer,
+    RowRef,
+    Sample,
+    SampleError,
+    Shard,
+    index_dataset,
+    iter_samples,
+)
+from hsdump_patch.client.manifest import Manifest, load_done, remove_stale_temps
+from hsdump_patch.client.report import Report, SampleIssue, print_summary
+
+DEFAULT_SERVER = "http://127.0.0.1:30000"
+DEFAULT_DUMP_DIR = "/dev/shm/sglang_hs"
+DEFAULT_CONCURRENCY = 16
+DEFAULT_REQUEST_TIMEOUT = 3600.0
+DEFAULT_DUMP_TIMEOUT = 300.0
+DEFAULT_RETRIES = 6
+DEFAULT_RETRY_WAIT = 1.0
+DEFAULT_MAX_INFLIGHT = "8GiB"
+DEFAULT_MIN_FREE = "2GiB"
+DEFAULT_MAX_CONSECUTIVE_ERRORS = 20
+_MAX_BACKOFF = 30.0
+
+
+class ServerDown(RuntimeError):
+    """The server stayed unreachable through every retry: the run cannot go on."""
+
+
+class SampleFailed(RuntimeError):
+    """One sample could not be extracted; the message says why."""
+
+
+class _DuplicateRid(RuntimeError):
+    """The server still runs a request with this rid (from a killed earlier run)."""
+
+
+@dataclass
+class Settings:
+    """Everything an extraction run needs besides the samples."""
+
+    server: str
+    dump_dir: Path
+    out: Path
+    fmt: str = "eagle3"
+    concurrency: int = DEFAULT_CONCURRENCY
+    on_error: str = "fail"
+    request_timeout: float = DEFAULT_REQUEST_TIMEOUT
+    dump_timeout: float = DEFAULT_DUMP_TIMEOUT
+    retries: int = DEFAULT_RETRIES
+    retry_wait: float = DEFAULT_RETRY_WAIT
+    max_inflight_bytes: int = parse_size(DEFAULT_MAX_INFLIGHT, "")
+    min_free_bytes: int = parse_size(DEFAULT_MIN_FREE, "")
+    max_consecutive_errors: int = DEFAULT_MAX_CONSECUTIVE_ERRORS
+    progress: bool = True
+
+
+# ------------------------------------------------------------------------------ HTTP
+
+
+class ServerClient:
+    """``/generate`` and ``/model_info`` with retries and backoff on connection errors."""
+
+    def __init__(self, url: str, *, request_timeout: float, retries: int,
+                 retry_wait: float) -> None:
+        self.url = url.rstrip("/")
+        self.request_timeout = request_timeout
+        self.retries = retries
+        self.retry_wait = retry_wait
+        self._local = threading.local()
+
+    def _session(self) -> requests.Session:
+        if not hasattr(self._local, "session"):
+            self._local.session = requests.Session()
+        return self._local.session
+
+    def _request(self, method: str, path: str, **kw: Any) -> requests.Response:
+        t0 = time.monotonic()
+        for attempt in range(self.retries + 1):
+            try:
+                return self._session().request(method, self.url + path, **kw)
+            except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError) as e:
+                last = e
+            if attempt < self.retries:
+                time.sleep(min(self.retry_wait * 2**attempt, _MAX_BACKOFF))
+        raise ServerDown(
+            f"the server at {self.url} is unreachable: {self.retries + 1} attempts over "
+            f"{time.monotonic() - t0:.1f}s failed (last: {type(last).__name__}: {last}); check "
+            "that it is running and that --server is right (raise --retries to wait longer)")
+
+    def model_info(self) -> dict[str, Any]:
+        """The server's ``/model_info`` (model and tokenizer paths)."""
+        r = self._request("GET", "/model_info", timeout=30)
+        r.raise_for_status()
+        return r.json()
+
+    def generate(self, rid: str, input_ids: list[int]) -> dict[str, Any]:
+        """Run a prefill-only request; return its ``meta_info``."""
+        body = {"rid": rid, "input_ids": input_ids,
+                "sampling_params": {"max_new_tokens": 0, "temperature": 0}}
+        r = self._request("POST", "/generate", json=body, timeout=self.request_timeout)
+        if r.status_code != 200:
+            text = r.text[:500]
+            if "Duplicate request ID" in text:
+                raise _DuplicateRid(text)
+            raise SampleFailed(f"the server answered HTTP {r.status_code}: {text}")
+        return r.json().get("meta_info", {})
+
+
+def check_meta(meta: dict[str, Any], sent: int) -> str | None:
+    """Return why a ``/generate`` answer shows the dump cannot be complete, or None."""
+    finish = meta.get("finish_reason")
+    if isinstance(finish, dict) and finish.get("type") == "abort":
+        return f"the server aborted the request: {finish.get('message')}"
+    if meta.get("prompt_tokens") != sent:
+        return (f"the server counted prompt_tokens={meta.get('prompt_tokens')} but {sent} token "
+                "ids were sent (was the prompt truncated? check the server's --context-length)")
+    cached = meta.get("cached_tokens")
+    if cached != 0:
+        return (f"the server reused cached_tokens={cached} prompt tokens from its radix cache; "
+                "those tokens were not recomputed, so they have no hidden states. Start the "
+                "server with --disable-radix-cache (the capture patch refuses to run without it, "
+                "so this server is probably not the one writing to --dump-dir)")
+    return None
+
+
+# ------------------------------------------------------------------------------ one sample
+
+
+@dataclass
+class Done:
+    sample: Sample
+    size: int
+    chunks: int
+
+
+class Extraction:
+    """One run: samples in, records out (see the module docstring)."""
+
+    def __init__(self, settings: Settings, info: protocol.ServerInfo,
+                 client: ServerClient) -> None:
+        self.s = settings
+        self.info = info
+        self.client = client
+
+    def rid(self, sample_id: str) -> str:
+        return self.info.rid_prefix + sample_id
+
+    def _clear_stale(self, rid: str) -> None:
+        """Remove a directory an earlier (killed) run left for this rid, once it is final."""
+        if protocol.rid_dir(self.s.dump_dir, rid).exists():
+            assemble.wait_for_marker(self.s.dump_dir, rid, self.s.dump_timeout)
+            assemble.remove_request(self.s.dump_dir, rid)
+
+    def _send(self, rid: str, input_ids: list[int]) -> dict[str, Any]:
+        deadline = time.monotonic() + self.s.dump_timeout
+        delay = 0.1
+        while True:
+            self._clear_stale(rid)
+            try:
+                return self.client.generate(rid, input_ids)
+            except _DuplicateRid:
+                if time.monotonic() > deadline:
+                    raise SampleFailed(
+                        f"the server kept running an older request with rid {rid} for "
+                        f"{self.s.dump_timeout:.0f}s (--dump-timeout)") from None
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    def process(self, sample: Sample) -> Done:
+        """Extract one sample; raise SampleFailed (or ServerDown) on failure."""
+        rid, dump = self.rid(sample.id), self.s.dump_dir
+        try:
+            meta = self._send(rid, sample.input_ids)
+        except requests.Timeout:
+            timeout = self.s.request_timeout
+            raise SampleFailed(f"no answer within --request-timeout {timeout:g}s") from None
+        problem = check_meta(meta, len(sample.input_ids))
+        if problem is None:
+            status = assemble.wait_for_marker(dump, rid, self.s.dump_timeout)
+            if status is None:
+                problem = (
+                    f"no done/error marker in {protocol.rid_dir(dump, rid)} within "
+                    f"{self.s.dump_timeout:.0f}s (--dump-timeout): is the capture patch of the "
+                    f"server at {self.client.url} writing to --dump-dir {dump}?")
+            elif status.error is not None:
+                problem = f"the server could not dump it: {status.error.get('reason')}"
+            elif status.done.get("prompt_len") != len(sample.input_ids):
+                problem = (f"done.json says prompt_len={status.done.get('prompt_len')}, "
+                           f"{len(sample.input_ids)} tokens were sent")
+        else:
+            self._clear_stale(rid)
+        if problem is not None:
+            assemble.remove_request(dump, rid)
+            raise SampleFailed(problem)
+        try:
+            builder = records.RecordBuilder(self.s.fmt, len(sample.input_ids), self.info)
+            chunks = assemble.read_request(dump, rid, sample.input_ids, self.info, builder)
+        except protocol.ProtocolError as e:
+            raise SampleFailed(f"invalid dump: {e}") from None
+        path = self.s.out / records.record_name(sample.id)
+        size = records.save_atomic(builder.record(sample.input_ids, sample.loss_mask), path)
+        assemble.remove_request(dump, rid)
+        return Done(sample, size, chunks)
+
+    # -------------------------------------------------------------------------- the run
+
+    def run(self, items: Iterable[Sample | SampleError], total: int, manifest: Manifest,
+            report: Report) -> Report:
+        """Process ``items`` (samples or the errors of bad rows); fill and return ``report``."""
+        s = self.s
+        t0 = time.monotonic()
+        pending: dict[cf.Future[Done], Sample] = {}
+        inflight = 0
+        consecutive = 0
+        bar = tqdm(total=total, unit="sample", disable=not s.progress, dynamic_ncols=True,
+                   file=sys.stderr)
+
+        def est(sample: Sample) -> int:
+            return len(sample.input_ids) * self.info.bytes_per_token
+
+        def issue(kind: str, sample_id: str | None, where: str | None, reason: str) -> None:
+            nonlocal consecutive
+            report.add_issue(SampleIssue(kind, sample_id, where, reason))
+            bar.update(1)
+            if s.on_error == "fail":
+                report.stop(f"{where or sample_id}: {reason} (--on-error fail)")
+            consecutive += kind == "failed"
+            if consecutive >= s.max_consecutive_errors:
+                report.stop(f"{consecutive} samples in a row failed (--max-consecutive-errors); "
+                            f"last: {reason}")
+
+        def collect(block: bool) -> None:
+            nonlocal inflight, consecutive
+            if not pending:
+                return
+            done, _ = cf.wait(pending, timeout=None if block else 0,
+                              return_when=cf.FIRST_COMPLETED)
+            for fut in done:
+                sample = pending.pop(fut)
+                inflight -= est(sample)
+                try:
+                    res = fut.result()
+                except SampleFailed as e:
+                    issue("failed", sample.id, sample.where, str(e))
+                    continue
+                except ServerDown as e:
+                    report.stop(str(e))
+                    issue("failed", sample.id, sample.where, str(e))
+                    continue
+                except Exception as e:  # a local fault (disk full, bug): stop, do not spin
+                    report.stop(f"{sample.where}: {type(e).__name__}: {e}")
+                    issue("failed", sample.id, sample.where, f"{type(e).__name__}: {e}")
+                    continue
+                consecutive = 0
+                manifest.append({"id": sample.id, "file": records.record_name(sample.id),
+                                 "tokens": len(sample.input_ids), "bytes": res.size,
+                                 "digest": sample.digest})
+                report.add_ok(len(sample.input_ids), res.size, res.chunks)
+                bar.update(1)
+                elapsed = max(time.monotonic() - t0, 1e-9)
+                bar.set_postfix_str(f"{report.tokens / elapsed:,.0f} tok/s, "
+                                    f"{report.bytes / 1e9:.2f} GB", refresh=False)
+
+        def has_room(need: int) -> bool:
+            if not pending:
+                return True
+            if len(pending) >= s.concurrency or inflight + need > s.max_inflight_bytes:
+                return False
+            return assemble.dump_free_bytes(s.dump_dir) - need >= s.min_free_bytes
+
+        with cf.ThreadPoolExecutor(s.concurrency, thread_name_prefix="hsdump") as pool:
+            try:
+                for item in items:
+                    if report.stopped:
+                        break
+                    if isinstance(item, SampleError):
+                        issue("skipped", item.sample_id, item.where, item.problem)
+                        continue
+                    need = est(item)
+                    while not has_room(need):
+                        collect(block=True)
+                    if not pending:
+                        self._wait_for_space(need, report)
+                        if report.stopped:
+                            break
+                    pending[pool.submit(self.process, item)] = item
+                    inflight += need
+                    collect(block=False)
+                while pending:
+                    collect(block=True)
+            finally:
+                bar.close()
+        report.wall_s = time.monotonic() - t0
+        return report
+
+    def _wait_for_space(self, need: int, report: Report) -> None:
+        """With nothing in flight, wait (up to --dump-timeout) for room in the dump dir."""
+        deadline = time.monotonic() + self.s.dump_timeout
+        while True:
+            free = assemble.dump_free_bytes(self.s.dump_dir)
+            if free - need >= self.s.min_free_bytes:
+                return
+            if time.monotonic() > deadline:
+                gib = 2**30
+                report.stop(
+                    f"the dump dir {self.s.dump_dir} has {free / gib:.2f} GiB free; the next "
+                    f"sample needs {need / gib:.2f} GiB plus the {self.s.min_free_bytes / gib:.2f}"
+                    " GiB reserve (--min-free-bytes): free space in it or enlarge it")
+                return
+            time.sleep(1.0)
+
+    def sweep_dump_dir(self, sample_ids: Iterable[str]) -> int:
+        """Delete finished dump directories of these samples; return how many unfinished remain."""
+        names = {protocol.rid_dirname(self.rid(i)): self.rid(i) for i in sample_ids}
+        unfinished = 0
+        for name in os.listdir(self.s.dump_dir):
+            rid = names.get(name)
+            if rid is None:
+                continue
+            if protocol.request_status(self.s.dump_dir, rid).finished:
+                assemble.remove_request(self.s.dump_dir, rid)
+            else:
+                unfinished += 1
+        return unfinished
+
+
+# ------------------------------------------------------------------------------ set-up
+
+
+def connect(settings: Settings, rid_prefix: str | None) -> tuple[ServerClient, dict[str, Any],
+                                                                  protocol.ServerInfo]:
+    """Reach the server and read its ``server.json``; raise on any mismatch between them."""
+    client = ServerClient(settings.server, request_timeout=settings.request_timeout,
+                          retries=settings.retries, retry_wait=settings.retry_wait)
+    model_info = client.model_info()
+    info = protocol.read_server_info(settings.dump_dir)
+    if info.format_version != protocol.FORMAT_VERSION:
+        raise protocol.ProtocolError(
+            f"{settings.dump_dir}/server.json uses protocol version {info.format_version}; this "
+            f"client reads version {protocol.FORMAT_VERSION}: use matching hsdump versions")
+    served = model_info.get("model_path")
+    if served is not None and served != info.model:
+        raise protocol.ProtocolError(
+            f"{settings.dump_dir}/server.json was written by a server of {info.model}, but "
+            f"{settings.server} serves {served}: --dump-dir belongs to another server")
+    if rid_prefix is not None and rid_prefix != info.rid_prefix:
+        raise protocol.ProtocolError(
+            f"--rid-prefix {rid_prefix!r} differs from the server's SGLANG_HS_DUMP_RID_PREFIX "
+            f"{info.rid_prefix!r}: the server would not dump these requests")
+    return client, model_info, info
+
+
+def load_tokenizer(model: str, trust_remote_code: bool) -> Any:
+    """The model's own tokenizer (and chat template)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code)
+
+
+def extract(settings: Settings, dataset: Path, *, shard: Shard | None = None,
+            model: str | None = None, max_len: int | None = None, rid_prefix: str | None = None,
+            trust_remote_code: bool = False) -> Report:
+    """Run one extraction; return its report."""
+    shard = shard or Shard()
+    client, model_info, info = connect(settings, rid_prefix)
+    tokenizer_path = model or model_info.get("tokenizer_path") or info.model
+    tokenizer = load_tokenizer(tokenizer_path, trust_remote_code)
+    renderer = ChatRenderer(tokenizer) if getattr(tokenizer, "chat_template", None) else None
+
+    rows, bad_rows = index_dataset(dataset)
+    rows = [r for r in rows if shard.contains(r.id)]
+    bad_rows = [e for e in bad_rows if shard.contains(e.sample_id or e.where)]
+    settings.out.mkdir(parents=True, exist_ok=True)
+    records.ensure_sidecar(settings.out, records.sidecar(
+        settings.fmt, info, tokenizer=tokenizer_path, max_len=max_len))
+
+    report = Report(shard=str(shard), fmt=settings.fmt, out=str(settings.out),
+                    dataset=str(dataset), server=settings.server)
+    run = Extraction(settings, info, client)
+    with Manifest(settings.out, shard) as manifest:
+        done = load_done(settings.out)
+        remove_stale_temps(settings.out, {records.record_name(r.id) for r in rows})
+        run.sweep_dump_dir(r.id for r in rows)
+        todo = [r for r in rows if r.id not in done]
+        report.already_done = _check_done(dataset, [r for r in rows if r.id in done], done,
+                                          renderer, max_len)
+        items: list[Any] = list(bad_rows)
+        run.run(_chain(items, iter_samples(dataset, todo, renderer, max_len)),
+                len(bad_rows) + len(todo), manifest, report)
+        report.leftover_dump_dirs = run.sweep_dump_dir(r.id for r in rows)
+    return report
+
+
+def _chain(first: list[Any], rest: Iterable[Any]) -> Iterable[Any]:
+    yield from first
+    yield from rest
+
+
+def _check_done(dataset: Path, refs: list[RowRef], done: dict[str, dict[str, Any]],
+                renderer: ChatRenderer | None, max_len: int | None) -> int:
+    """Check that already-extracted samples are unchanged in the dataset; return their count."""
+    for item in iter_samples(dataset, refs, renderer, max_len):
+        if isinstance(item, Sample) and item.digest != done[item.id].get("digest"):
+            raise ValueError(
+                f"{item.where}: sample {item.id!r} changed since its record was written (other "
+                "tokens, mask, --max-len or tokenizer); use a new --out directory, or delete its "
+                "record and rerun")
+    return len(refs)
+
+
+# ------------------------------------------------------------------------------ CLI
+
+
+def add_common_args(p: argparse.ArgumentParser) -> None:
+    """Connection, output and robustness flags shared by ``extract`` and ``smoke``."""
+    p.add_argument("--server", default=DEFAULT_SERVER,
+                   help=f"SGLang server URL (default {DEFAULT_SERVER})")
+    p.add_argument("--dump-dir", type=Path,
+                   default=Path(os.environ.get(ENV_DIR) or DEFAULT_DUMP_DIR),
+                   help=f"the server's dump dir, visible on this machine (default ${ENV_DIR} or "
+                        f"{DEFAULT_DUMP_DIR})")
+    p.add_argument("--model", default=None,
+                   help="model dir or hub id for the tokenizer and chat template (default: the "
+                        "server's tokenizer path from /model_info)")
+    p.add_argument("--format", dest="fmt", choices=records.FORMATS, default="eagle3",
+                   help="record format (default eagle3)")
+    p.add_argument("--max-len", type=int, default=None,
+                   help="truncate samples to this many tokens (default: no limit)")
+    p.add_argument("--rid-prefix", default=None,
+                   help="expected rid prefix (default: the one in server.json, normally "
+                        f"{DEFAULT_RID_PREFIX!r})")
+    p.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT,
+                   help="seconds to wait for one /generate answer (default "
+                        f"{DEFAULT_REQUEST_TIMEOUT:g})")
+    p.add_argument("--dump-timeout", type=float, default=DEFAULT_DUMP_TIMEOUT,
+                   help="seconds to wait for a request's done/error marker after its answer "
+                        f"(default {DEFAULT_DUMP_TIMEOUT:g})")
+    p.add_argument("--retries", type=int, default=DEFAULT_RETRIES,
+                   help=f"retries on connection errors, with exponential backoff (default "
+                        f"{DEFAULT_RETRIES})")
+    p.add_argument("--retry-wait", type=float, default=DEFAULT_RETRY_WAIT,
+                   help=f"first backoff in seconds, doubled per retry up to {_MAX_BACKOFF:g} "
+                        f"(default {DEFAULT_RETRY_WAIT:g})")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="allow the tokenizer's custom code (default off)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (default: shown)")
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register ``hsdump extract``."""
+    p = subparsers.add_parser(
+        "extract", help="extract hidden states for a JSONL dataset into training records",
+        description=__doc__.splitlines()[0])
+    p.add_argument("--dataset", type=Path, required=True,
+                   help="JSONL: messages / conversations / input_ids+loss_mask rows (required)")
+    p.add_argument("--out", type=Path, required=True,
+                   help="output directory for records, manifest and report (required)")
+    add_common_args(p)
+    p.add_argument("--on-error", choices=("skip", "fail"), default="fail",
+                   help="on a bad row or failed sample: list it and go on (skip) or stop the "
+                        "run (fail) (default fail)")
+    p.add_argument("--shard", type=Shard.parse, default=Shard(),
+                   help="i/N: process only shard i of N (hash of the id; default 0/1)")
+    p.add_argument("--concurrency", type=int, default=DEFAULT_CONCURRENCY,
+                   help=f"requests in flight (default {DEFAULT_CONCURRENCY})")
+    p.add_argument("--max-inflight-bytes", default=DEFAULT_MAX_INFLIGHT,
+                   help="cap on the estimated hidden-state bytes of requests in flight "
+                        f"(default {DEFAULT_MAX_INFLIGHT})")
+    p.add_argument("--min-free-bytes", default=DEFAULT_MIN_FREE,
+                   help=f"free space kept in the dump dir (default {DEFAULT_MIN_FREE})")
+    p.add_argument("--max-consecutive-errors", type=int, default=DEFAULT_MAX_CONSECUTIVE_ERRORS,
+                   help="stop after this many failed samples in a row, even with --on-error "
+                        f"skip (default {DEFAULT_MAX_CONSECUTIVE_ERRORS})")
+    p.add_argument("--report", type=Path, default=None,
+                   help="JSON report path (default OUT/report.shard-I-of-N.json)")
+    p.set_defaults(func=main)
+
+
+def settings_from_args(args: argparse.Namespace, out: Path, **overrides: Any) -> Settings:
+    """Build Settings from parsed flags (``overrides`` win)."""
+    values: dict[str, Any] = {
+        "server": args.server, "dump_dir": args.dump_dir, "out": out, "fmt": args.fmt,
+        "request_timeout": args.request_timeout, "dump_timeout": args.dump_timeout,
+        "retries": args.retries, "retry_wait": args.retry_wait,
+        "progress": not args.no_progress,
+    }
+    values.update(overrides)
+    return Settings(**values)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``hsdump extract``; exit 0 all ok, 3 finished with skipped/failed samples, 1 stopped."""
+    try:
+        settings = settings_from_args(
+            args, args.out, on_error=args.on_error, concurrency=args.concurrency,
+            max_inflight_bytes=parse_size(args.max_inflight_bytes, "--max-inflight-bytes"),
+            min_free_bytes=parse_size(args.min_free_bytes, "--min-free-bytes"),
+            max_consecutive_errors=args.max_consecutive_errors)
+        report = extract(settings, args.dataset, shard=args.shard, model=args.model,
+                         max_len=args.max_len, rid_prefix=args.rid_prefix,
+                         trust_remote_code=args.trust_remote_code)
+    except (ServerDown, protocol.ProtocolError, ConfigError, ValueError, RuntimeError,
+            OSError) as e:
+        print(f"hsdump extract: error: {e}", file=sys.stderr)
+        return 1
+    path = args.report or args.out / f"report.{args.shard.tag}.json"
+    protocol.write_json_atomic(path, report.to_json())
+    print_summary(report, path)
+    return report.exit_code()
+

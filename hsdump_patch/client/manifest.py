@@ -1,0 +1,99 @@
+"""Resume state of an output directory: the manifest of finished samples, the shard lock and
+the clean-up of temp files left by a killed run.
+
+A record is written (temp + rename) before its manifest line is appended, so after a crash a
+sample is either listed with its record present, or redone (its record, if any, is replaced
+atomically): every sample ends up written exactly once, and no partial file survives.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from hsdump_patch.client.dataset import Shard
+from hsdump_patch.client.records import RECORD_SUFFIX
+
+MANIFEST_GLOB = "manifest.*.jsonl"
+
+
+def manifest_path(out_dir: Path, shard: Shard) -> Path:
+    return out_dir / f"manifest.{shard.tag}.jsonl"
+
+
+def _read_lines(path: Path) -> list[dict[str, Any]]:
+    entries = []
+    with open(path, "rb") as f:
+        for raw in f:
+            if not raw.endswith(b"\n"):  # a line cut by a crash: that sample is redone
+                break
+            entries.append(json.loads(raw))
+    return entries
+
+
+def load_done(out_dir: Path) -> dict[str, dict[str, Any]]:
+    """Return ``id -> entry`` for every finished sample whose record exists (all shards)."""
+    done: dict[str, dict[str, Any]] = {}
+    for path in sorted(out_dir.glob(MANIFEST_GLOB)):
+        for entry in _read_lines(path):
+            if (out_dir / entry["file"]).is_file():
+                done[entry["id"]] = entry
+    return done
+
+
+class Manifest:
+    """Append-only list of this shard's finished samples; holds the shard's lock while open."""
+
+    def __init__(self, out_dir: Path, shard: Shard) -> None:
+        self.path = manifest_path(out_dir, shard)
+        lock_path = out_dir / f".lock.{shard.tag}"
+        self._lock = open(lock_path, "a")  # noqa: SIM115 - held until close()
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.close()
+            raise RuntimeError(
+                f"another hsdump process is already extracting shard {shard} into {out_dir} "
+                f"(it holds {lock_path}); wait for it or stop it") from None
+        self._truncate_partial_line()
+        self._f = open(self.path, "a")  # noqa: SIM115 - closed in close()
+
+    def _truncate_partial_line(self) -> None:
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            return
+        if data and not data.endswith(b"\n"):
+            with open(self.path, "r+b") as f:
+                f.truncate(data.rfind(b"\n") + 1)
+
+    def append(self, entry: dict[str, Any]) -> None:
+        """Record one finished sample (flushed to the OS at once, so kill -9 keeps it)."""
+        self._f.write(json.dumps(entry, sort_keys=True) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+        self._lock.close()
+
+    def __enter__(self) -> Manifest:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def remove_stale_temps(out_dir: Path, record_names: set[str]) -> int:
+    """Delete temp files a killed run left for this shard's records; return how many."""
+    removed = 0
+    for name in os.listdir(out_dir):
+        if not name.startswith(".") or ".tmp-" not in name:
+            continue
+        final = name[1 : name.rindex(".tmp-")]
+        if final.endswith(RECORD_SUFFIX) and final in record_names:
+            (out_dir / name).unlink(missing_ok=True)
+            removed += 1
+    return removed

@@ -1,0 +1,104 @@
+"""The run report: counts, throughput, and every failed or skipped sample with its reason."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+EXIT_OK = 0
+EXIT_STOPPED = 1
+EXIT_WITH_ISSUES = 3
+
+
+@dataclass(frozen=True)
+class SampleIssue:
+    """A sample that was skipped (bad input) or failed (extraction)."""
+
+    kind: str  # "skipped" | "failed"
+    id: str | None
+    where: str | None
+    reason: str
+
+
+@dataclass
+class Report:
+    """What one run did; ``to_json`` is what is written next to the records."""
+
+    shard: str
+    fmt: str
+    out: str
+    dataset: str
+    server: str
+    ok: int = 0
+    already_done: int = 0
+    tokens: int = 0
+    bytes: int = 0
+    max_chunks: int = 0
+    wall_s: float = 0.0
+    leftover_dump_dirs: int = 0
+    stopped: str | None = None
+    issues: list[SampleIssue] = field(default_factory=list)
+
+    def add_ok(self, tokens: int, size: int, chunks: int) -> None:
+        self.ok += 1
+        self.tokens += tokens
+        self.bytes += size
+        self.max_chunks = max(self.max_chunks, chunks)
+
+    def add_issue(self, issue: SampleIssue) -> None:
+        self.issues.append(issue)
+
+    def stop(self, reason: str) -> None:
+        """Stop the run (the first reason is kept)."""
+        self.stopped = self.stopped or reason
+
+    def count(self, kind: str) -> int:
+        return sum(i.kind == kind for i in self.issues)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    def exit_code(self) -> int:
+        if self.stopped:
+            return EXIT_STOPPED
+        return EXIT_WITH_ISSUES if self.issues else EXIT_OK
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.update(failed=self.count("failed"), skipped=self.count("skipped"),
+                   tokens_per_s=round(self.tokens_per_s, 1), wall_s=round(self.wall_s, 3))
+        return out
+
+
+def format_table(rows: list[tuple[str, str]]) -> str:
+    """Two aligned columns."""
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def print_summary(report: Report, report_path: Path) -> None:
+    """Print the end-of-run table, the issues (at most 20) and where the report is."""
+    rows = [
+        ("samples written", f"{report.ok:,}"),
+        ("already done", f"{report.already_done:,}"),
+        ("failed", f"{report.count('failed'):,}"),
+        ("skipped", f"{report.count('skipped'):,}"),
+        ("tokens", f"{report.tokens:,}"),
+        ("written", f"{report.bytes / 1e9:.3f} GB"),
+        ("wall time", f"{report.wall_s:.1f} s"),
+        ("throughput", f"{report.tokens_per_s:,.0f} tokens/s"),
+    ]
+    print(f"hsdump extract: shard {report.shard}, format {report.fmt} -> {report.out}")
+    print(format_table(rows))
+    for issue in report.issues[:20]:
+        print(f"  {issue.kind}: {issue.where or issue.id}: {issue.reason}")
+    if len(report.issues) > 20:
+        print(f"  ... {len(report.issues) - 20} more in the report")
+    if report.leftover_dump_dirs:
+        print(f"  warning: {report.leftover_dump_dirs} unfinished request dir(s) of this dataset "
+              "remain in the dump dir (requests still running on the server?)")
+    if report.stopped:
+        print(f"STOPPED: {report.stopped}")
+    print(f"report: {report_path}")

@@ -1,0 +1,167 @@
+"""Client input: chat shapes, loss mask from render boundaries, malformed rows, sharding."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hsdump_patch.client.dataset import (
+    ChatRenderer,
+    SampleError,
+    Shard,
+    index_dataset,
+    iter_samples,
+)
+
+CONV = [
+    ("system", "You are terse."),
+    ("user", "What is the capital of France?"),
+    ("assistant", "Paris is the capital of France."),
+    ("user", "And the quick brown fox?"),
+    ("assistant", "It jumps over the lazy dog."),
+]
+SHAREGPT_NAMES = {"system": "system", "user": "human", "assistant": "gpt"}
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory) -> Path:
+    pytest.importorskip("tokenizers")
+    from tests.harness.make_models import make_tokenizer
+
+    path = tmp_path_factory.mktemp("tok")
+    make_tokenizer(path)
+    return path
+
+
+def fresh_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tok_dir):
+    return fresh_tokenizer(tok_dir)
+
+
+def openai_row(conv, **extra):
+    return {"messages": [{"role": r, "content": c} for r, c in conv], **extra}
+
+
+def sharegpt_row(conv, **extra):
+    return {"conversations": [{"from": SHAREGPT_NAMES[r], "value": c} for r, c in conv], **extra}
+
+
+def reference(tokenizer, conv):
+    """Independent of the chat template: the tiny template is <|role|>content</s> per turn, and
+    the assistant tokens are its content and the closing </s>."""
+    ids, mask = [], []
+    for role, content in conv:
+        body = tokenizer.encode(content, add_special_tokens=False)
+        body.append(tokenizer.convert_tokens_to_ids("</s>"))
+        ids += [tokenizer.convert_tokens_to_ids(f"<|{role}|>"), *body]
+        mask += [0] + [int(role == "assistant")] * len(body)
+    return ids, mask
+
+
+def write_jsonl(path: Path, rows) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def load_all(path, tokenizer, max_len=None):
+    refs, errors = index_dataset(path)
+    items = list(iter_samples(path, refs, ChatRenderer(tokenizer), max_len))
+    return items, errors
+
+
+def test_both_chat_shapes_multi_turn_mask_is_exactly_the_assistant_tokens(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "d.jsonl", [openai_row(CONV, id="a"), sharegpt_row(CONV)])
+    (a, b), errors = load_all(path, tokenizer)
+    assert errors == []
+    want_ids, want_mask = reference(tokenizer, CONV)
+    assert sum(want_mask) > 10 and 0 in want_mask
+    for s in (a, b):
+        assert (s.input_ids, s.loss_mask) == (want_ids, want_mask)
+    assert (a.id, b.id) == ("a", "2")  # without "id", the line number
+    assert b.where == f"{path}:2"
+
+
+def test_max_len_truncates_and_pre_tokenized_rows_pass_through(tmp_path, tokenizer):
+    pre = {"id": 7, "input_ids": [5, 6, 7, 8], "loss_mask": [0, 1, 1, 0]}
+    path = write_jsonl(tmp_path / "d.jsonl", [openai_row(CONV), pre])
+    want_ids, want_mask = reference(tokenizer, CONV)
+    cut = want_mask.index(1) + 2  # inside the first assistant turn
+    (chat, tok), _ = load_all(path, tokenizer, max_len=cut)
+    assert (chat.input_ids, chat.loss_mask) == (want_ids[:cut], want_mask[:cut])
+    assert (tok.id, tok.input_ids, tok.loss_mask) == ("7", [5, 6, 7, 8][:cut], [0, 1, 1, 0][:cut])
+
+
+@pytest.mark.parametrize(("row", "problem"), [
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "expected a JSON object"),
+    ({"id": [1], "messages": []}, '"id" must be a string or an integer'),
+    ({"text": "hello"}, 'needs "messages"'),
+    ({"messages": []}, "non-empty list"),
+    ({"messages": [{"role": "user"}]}, 'with "role" and "content"'),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "unknown role 'robot'"),
+    ({"conversations": [{"from": "alien", "value": "x"}]}, "unknown speaker 'alien'"),
+    ({"messages": [{"role": "user", "content": 3}]}, "must be a string"),
+    ({"input_ids": [1, 2], "loss_mask": [1]}, "has 1 entries"),
+    ({"input_ids": [1, 2], "loss_mask": [1, 2]}, "only 0 and 1"),
+    ({"input_ids": [1, "2"], "loss_mask": [1, 1]}, "list of integers"),
+    ({"input_ids": [1, 2]}, 'needs "loss_mask"'),
+    ({"messages": [{"role": "user", "content": "only a question"}]}, "loss mask is all zeros"),
+])
+def test_malformed_rows_name_file_line_and_problem(tmp_path, tokenizer, row, problem):
+    path = write_jsonl(tmp_path / "d.jsonl", [openai_row(CONV, id="good"), row])
+    items, errors = load_all(path, tokenizer)
+    bad = errors + [i for i in items if isinstance(i, SampleError)]
+    assert len(bad) == 1, bad
+    assert str(bad[0]).startswith(f"{path}:2: ")
+    assert problem in str(bad[0])
+    assert [i.id for i in items if not isinstance(i, SampleError)] == ["good"]
+
+
+def test_duplicate_ids_and_truncation_to_an_empty_mask_are_errors(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "d.jsonl", [openai_row(CONV, id="x"), "", openai_row(CONV, id="x")])
+    items, errors = load_all(path, tokenizer, max_len=3)
+    assert [str(e) for e in errors] == [
+        f"{path}:3: duplicate id 'x' (first on line 1); ids must be unique because they name "
+        "the output files"]
+    assert isinstance(items[0], SampleError)
+    assert "all zeros within the first 3 tokens (--max-len)" in str(items[0])
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused(tmp_path, tok_dir):
+    tokenizer = fresh_tokenizer(tok_dir)
+    tokenizer.chat_template = (  # drops the content of earlier assistant turns, like "thinking"
+        "{% for m in messages %}<|{{ m['role'] }}|>{% if m['role'] != 'assistant' or loop.last %}"
+        "{{ m['content'] }}{% endif %}</s>{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    path = write_jsonl(tmp_path / "d.jsonl", [openai_row(CONV)])
+    (item,), _ = load_all(path, tokenizer)
+    assert isinstance(item, SampleError)
+    assert "renders the first 3 message(s) differently" in str(item)
+
+
+def test_a_tokenizer_without_chat_template_is_refused(tok_dir):
+    tokenizer = fresh_tokenizer(tok_dir)
+    tokenizer.chat_template = None
+    with pytest.raises(ValueError, match="no chat template"):
+        ChatRenderer(tokenizer)
+
+
+def test_shards_are_disjoint_and_cover_every_id():
+    ids = [str(i) for i in range(1000)] + [f"conv-{i}" for i in range(100)]
+    shards = [Shard(i, 3) for i in range(3)]
+    members = [{i for i in ids if s.contains(i)} for s in shards]
+    assert sum(len(m) for m in members) == len(ids)
+    assert set().union(*members) == set(ids)
+    assert all(len(m) > 250 for m in members)
+    assert Shard.parse("2/3") == Shard(2, 3)
+    for bad in ("3/3", "1", "a/b", "0/0"):
+        with pytest.raises(ValueError, match="--shard"):
+            Shard.parse(bad)
