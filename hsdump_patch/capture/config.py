@@ -125,7 +125,9 @@ class DumpConfig:
             return None
         dump_dir = Path(raw_dir)
         if not dump_dir.is_absolute():
-            raise ConfigError(f"{ENV_DIR}={raw_dir!r} must be an absolute path, e.g. /dev/shm/sglang_hs")
+            raise ConfigError(
+                f"{ENV_DIR}={raw_dir!r} must be an absolute path, e.g. /dev/shm/sglang_hs"
+            )
 
         layers = parse_layers(env.get(ENV_LAYERS, "auto"))
         draft_config = None
@@ -146,7 +148,9 @@ class DumpConfig:
                 f"{ENV_RID_PREFIX}={prefix!r} must be non-empty and use only letters, digits "
                 "and . _ : - (it selects which requests are dumped)"
             )
-        max_inflight = parse_size(env.get(ENV_MAX_INFLIGHT, str(DEFAULT_MAX_INFLIGHT)), ENV_MAX_INFLIGHT)
+        max_inflight = parse_size(
+            env.get(ENV_MAX_INFLIGHT, str(DEFAULT_MAX_INFLIGHT)), ENV_MAX_INFLIGHT
+        )
         if max_inflight <= 0:
             raise ConfigError(f"{ENV_MAX_INFLIGHT} must be > 0")
         min_free = parse_size(env.get(ENV_MIN_FREE, str(DEFAULT_MIN_FREE)), ENV_MIN_FREE)

@@ -1,23 +1,29 @@
 """Asynchronous, bounded writer of chunk files (runs on the writer rank only).
 
-The forward thread calls :meth:`DumpWriter.submit`; it only enqueues device-to-host copies
-(pinned buffers, side stream, on CUDA) and returns. A pool of threads waits for each copy,
-streams the bytes into a temp file with ``pwrite`` (a large chunk is split across threads,
-since tmpfs write bandwidth scales with writers) and renames it into place. The bytes in
-flight are bounded: when the cap is reached the forward thread waits rather than memory
-growing. A free-space guard refuses a chunk that would push the dump dir below its reserve and
-turns the request into an error marker instead. Nothing here raises into the forward: errors
-are counted, logged and reported in the request's error marker.
+The forward thread calls :meth:`DumpWriter.submit`; it only copies the chunk into staging
+pages (on CUDA: enqueues device-to-host copies into pinned pages on a side stream) and
+returns. A pool of threads waits for each copy, writes each page into the chunk's temp file
+with ``pwrite`` (a large chunk is spread over all threads, since tmpfs write bandwidth scales
+with writers) and renames the file into place.
+
+Memory is bounded by the in-flight cap: staging memory is a pool of fixed-size pages that never
+grows past ``max_inflight_bytes`` (a chunk larger than the cap goes through alone, and its extra
+pages are dropped after it). When the cap is reached the forward thread waits rather than memory
+growing; in steady state no page is allocated. A free-space guard refuses a chunk that would
+push the dump dir below its reserve and turns the request into an error marker instead. Nothing
+here raises into the forward: errors are counted, logged and reported in the error marker.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,7 +33,9 @@ from hsdump_patch import protocol
 
 logger = logging.getLogger("hsdump")
 
-SEGMENT_BYTES = 32 << 20  # one pwrite task; large chunks are written by several threads
+PAGE_BYTES = 8 << 20  # staging page = one pwrite task; 8 MiB keeps per-task overhead < 1%
+_MIN_PAGE_BYTES = 4 << 10
+_MIN_PAGES_PER_CAP = 16  # a small cap gets smaller pages, so several chunks still overlap
 _MAX_TRACKED_RIDS = 100_000
 
 
@@ -42,16 +50,20 @@ class _RidState:
 
 
 @dataclass
+class _Page:
+    tensor: torch.Tensor  # uint8 [page_bytes], pinned on CUDA
+    view: memoryview  # the same bytes, for pwrite
+
+
+@dataclass
 class _FileJob:
     rid: str
     prefix_len: int
     final: Path
     tmp: Path
-    header: bytes
-    host: list[torch.Tensor]  # host tensors, raw bytes written back to back after the header
+    pages: list[_Page]  # page i holds bytes [i * page_bytes, (i + 1) * page_bytes) of the file
     nbytes: int
     ready: torch.cuda.Event | None  # D2H completion (CUDA only)
-    keepalive: list[torch.Tensor]  # device sources, released once the copy is done
     fd: int = -1
     remaining: int = 0
     failed: str | None = None
@@ -61,11 +73,14 @@ class _FileJob:
 @dataclass
 class WriterStats:
     chunks_written: int = 0
+    chunks_failed: int = 0
     bytes_written: int = 0
     requests_done: int = 0
     requests_failed: int = 0
     internal_errors: int = 0
     forward_wait_s: float = 0.0  # time the forward thread waited for in-flight budget
+    peak_inflight_bytes: int = 0  # most staging bytes held by chunks at once
+    staging_bytes: int = 0  # staging memory allocated now (pool of pages)
 
     def as_dict(self) -> dict[str, float]:
         return dict(self.__dict__)
@@ -83,19 +98,24 @@ class DumpWriter:
         threads: int,
         device: torch.device,
     ) -> None:
-        self.dump_dir = dump_dir
+        self.dump_dir = Path(dump_dir)
         self.max_inflight_bytes = max_inflight_bytes
         self.min_free_bytes = min_free_bytes
         self.stats = WriterStats()
         self._cuda = device.type == "cuda"
         self._side_stream = torch.cuda.Stream(device=device) if self._cuda else None
-        self._inflight = 0
+        self.page_bytes = _page_bytes_for(max_inflight_bytes)
+        self._cap_pages = max(1, max_inflight_bytes // self.page_bytes)
+        self._used_pages = 0
+        self._pool_pages = 0
+        self._free: list[_Page] = []
+        self._closed = False
         self._cond = threading.Condition()
         self._rids: OrderedDict[str, _RidState] = OrderedDict()
-        self._tasks: queue.SimpleQueue[tuple[_FileJob, int, int] | None] = queue.SimpleQueue()
+        self._tasks: queue.SimpleQueue[tuple[_FileJob, int] | None] = queue.SimpleQueue()
         self._threads = [
             threading.Thread(target=self._worker, name=f"hsdump-writer-{i}", daemon=True)
-            for i in range(threads)
+            for i in range(max(1, threads))
         ]
         for t in self._threads:
             t.start()
@@ -110,53 +130,63 @@ class DumpWriter:
     ) -> None:
         """Queue one chunk of one request. ``prompt_len`` is set when this chunk ends the prompt.
 
-        The tensors must stay unmodified until the D2H copy has been issued (this method
-        issues it before returning) and are not retained beyond that on CPU.
+        The data is taken as it is in stream order at the call (on CUDA the copy is enqueued
+        on a side stream that waits for the current stream); the caller may drop or reuse the
+        tensors right after, and nothing keeps them beyond the copy.
         """
         rid = meta.rid
         state = self._rid_state(rid)
-        if prompt_len is not None:
-            state.prompt_len = prompt_len
-        if state.error is not None:
-            self._maybe_finish(rid, state)
+        with self._cond:
+            failed, closed = state.error is not None, self._closed
+        if closed:
+            self._fail(rid, state, "the dump writer is shut down", prompt_len)
             return
-        specs = [protocol.TensorSpec(name, _st_dtype(t), tuple(t.shape)) for name, t in tensors]
-        header = protocol.safetensors_header(specs, meta.to_strings())
+        if failed:
+            self._fail(rid, state, None, prompt_len)
+            return
+        try:
+            specs = [protocol.TensorSpec(n, _st_dtype(t), tuple(t.shape)) for n, t in tensors]
+            header = protocol.safetensors_header(specs, meta.to_strings())
+        except Exception as e:
+            self._internal_error(rid, state, prompt_len, f"cannot describe the chunk: {e!r}")
+            return
         nbytes = len(header) + sum(s.nbytes for s in specs)
-
         reason = self._check_free_space(nbytes)
         if reason is not None:
-            self._fail(rid, state, reason)
+            self._fail(rid, state, reason, prompt_len)
             return
-        self._acquire(nbytes)
         try:
-            host, ready, keepalive = self._start_copy([t for _, t in tensors])
-            final = protocol.rid_dir(self.dump_dir, rid) / protocol.chunk_filename(meta.prefix_len)
-            job = _FileJob(rid, meta.prefix_len, final, protocol.temp_path(final), header, host,
-                           nbytes, ready, keepalive)
-            with self._cond:
-                state.outstanding += 1
-                state.chunks.append(meta.prefix_len)
-                state.tokens += int(tensors[0][1].shape[0])
-            self._enqueue(job)
+            pages = self._acquire(-(-nbytes // self.page_bytes))
         except Exception as e:
-            self._release(nbytes)
-            self.stats.internal_errors += 1
-            logger.exception("hsdump: could not queue chunk %s of %s", meta.prefix_len, rid)
-            self._fail(rid, state, f"internal error while queueing the chunk: {e!r}")
+            self._internal_error(rid, state, prompt_len, f"cannot allocate staging: {e!r}")
+            return
+        try:
+            ready = self._stage(header, [t for _, t in tensors], pages)
+            final = protocol.rid_dir(self.dump_dir, rid) / protocol.chunk_filename(meta.prefix_len)
+            job = _FileJob(rid, meta.prefix_len, final, protocol.temp_path(final), pages, nbytes,
+                           ready, remaining=len(pages))
+        except Exception as e:
+            self._release(pages)
+            self._internal_error(rid, state, prompt_len, f"cannot copy the chunk: {e!r}")
+            return
+        with self._cond:
+            state.outstanding += 1
+            state.chunks.append(meta.prefix_len)
+            state.tokens += int(tensors[0][1].shape[0])
+            if prompt_len is not None:
+                state.prompt_len = prompt_len
+        for i in range(len(pages)):
+            self._tasks.put((job, i))
 
     def fail_request(self, rid: str, reason: str, prompt_len: int | None = None) -> None:
         """Mark a request as failed: an error marker replaces its done marker."""
-        state = self._rid_state(rid)
-        if prompt_len is not None:
-            state.prompt_len = prompt_len
-        self._fail(rid, state, reason)
+        self._fail(rid, self._rid_state(rid), reason, prompt_len)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until nothing is in flight; return False on timeout."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while self._inflight:
+            while self._used_pages:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
@@ -164,12 +194,27 @@ class DumpWriter:
         return True
 
     def close(self) -> None:
-        """Flush and stop the threads."""
+        """Flush, stop the threads and free the staging pages (later submits fail the request)."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
         self.flush()
         for _ in self._threads:
             self._tasks.put(None)
         for t in self._threads:
             t.join()
+        with self._cond:
+            self._pool_pages -= len(self._free)
+            self._free.clear()
+            self.stats.staging_bytes = self._pool_pages * self.page_bytes
+
+    @property
+    def inflight_bytes(self) -> int:
+        """Staging bytes held by chunks not yet written (never above the cap but for one
+        chunk larger than the cap, which goes through alone)."""
+        with self._cond:
+            return self._used_pages * self.page_bytes
 
     # ---------------------------------------------------------------- internals
 
@@ -187,8 +232,7 @@ class DumpWriter:
             st = os.statvfs(self.dump_dir)
         except OSError as e:
             return f"cannot stat the dump dir {self.dump_dir}: {e}"
-        with self._cond:
-            pending = self._inflight
+        pending = self.inflight_bytes
         free = st.f_bavail * st.f_frsize - pending
         if free - nbytes < self.min_free_bytes:
             return (
@@ -199,58 +243,85 @@ class DumpWriter:
             )
         return None
 
-    def _acquire(self, nbytes: int) -> None:
+    def _acquire(self, npages: int) -> list[_Page]:
         with self._cond:
-            if self._inflight and self._inflight + nbytes > self.max_inflight_bytes:
+            if self._used_pages and self._used_pages + npages > self._cap_pages:
                 t0 = time.perf_counter()
                 # A chunk larger than the cap still goes through, alone.
-                while self._inflight and self._inflight + nbytes > self.max_inflight_bytes:
+                while self._used_pages and self._used_pages + npages > self._cap_pages:
                     self._cond.wait()
                 self.stats.forward_wait_s += time.perf_counter() - t0
-            self._inflight += nbytes
+            self._used_pages += npages
+            self.stats.peak_inflight_bytes = max(
+                self.stats.peak_inflight_bytes, self._used_pages * self.page_bytes)
+            pages = [self._free.pop() for _ in range(min(npages, len(self._free)))]
+            missing = npages - len(pages)
+            self._pool_pages += missing
+            self.stats.staging_bytes = self._pool_pages * self.page_bytes
+        try:
+            # Only while the pool grows (warm-up, or a chunk larger than the cap).
+            pages += [self._new_page() for _ in range(missing)]
+        except BaseException:
+            with self._cond:
+                self._pool_pages -= missing
+                self._used_pages -= missing
+            self._release(pages)
+            raise
+        return pages
 
-    def _release(self, nbytes: int) -> None:
+    def _new_page(self) -> _Page:
+        t = torch.empty(self.page_bytes, dtype=torch.uint8, pin_memory=self._cuda)
+        return _Page(t, memoryview(t.numpy()))
+
+    def _release(self, pages: list[_Page]) -> None:
         with self._cond:
-            self._inflight -= nbytes
+            self._used_pages -= len(pages)
+            for page in pages:
+                if self._pool_pages > self._cap_pages:  # pages of an oversize chunk
+                    self._pool_pages -= 1
+                else:
+                    self._free.append(page)
+            self.stats.staging_bytes = self._pool_pages * self.page_bytes
             self._cond.notify_all()
 
-    @property
-    def inflight_bytes(self) -> int:
-        with self._cond:
-            return self._inflight
-
-    def _start_copy(
-        self, tensors: list[torch.Tensor]
-    ) -> tuple[list[torch.Tensor], torch.cuda.Event | None, list[torch.Tensor]]:
+    def _stage(
+        self, header: bytes, tensors: list[torch.Tensor], pages: list[_Page]
+    ) -> torch.cuda.Event | None:
+        """Copy header + raw tensor bytes back to back into ``pages``."""
+        src = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+        for i, off, lo, n in _spans(0, len(header), self.page_bytes):
+            pages[i].tensor[off : off + n].copy_(src[lo : lo + n])
+        flats = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
         if not self._cuda:
-            # CPU: the sources are views into buffers owned by this chunk; keep them as they are.
-            return [t.contiguous() for t in tensors], None, []
+            self._copy_into(pages, flats, len(header), non_blocking=False)
+            return None
         assert self._side_stream is not None
-        producer = torch.cuda.current_stream()
-        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
-        self._side_stream.wait_stream(producer)
+        self._side_stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self._side_stream):
-            for h, t in zip(host, tensors, strict=True):
-                h.copy_(t, non_blocking=True)
+            self._copy_into(pages, flats, len(header), non_blocking=True)
             ready = torch.cuda.Event()
             ready.record(self._side_stream)
-        for t in tensors:
-            t.record_stream(self._side_stream)
-        return host, ready, list(tensors)
+        for f in flats:  # the caller may free them now: their memory waits for the copy
+            f.record_stream(self._side_stream)
+        return ready
 
-    def _enqueue(self, job: _FileJob) -> None:
-        job.remaining = max(1, -(-job.nbytes // SEGMENT_BYTES))
-        for start in range(0, job.nbytes, SEGMENT_BYTES):
-            self._tasks.put((job, start, min(job.nbytes, start + SEGMENT_BYTES)))
+    def _copy_into(
+        self, pages: list[_Page], flats: list[torch.Tensor], start: int, *, non_blocking: bool
+    ) -> None:
+        pos = start
+        for flat in flats:
+            for i, off, lo, n in _spans(pos, flat.numel(), self.page_bytes):
+                pages[i].tensor[off : off + n].copy_(flat[lo : lo + n], non_blocking=non_blocking)
+            pos += flat.numel()
 
     def _worker(self) -> None:
         while True:
             task = self._tasks.get()
             if task is None:
                 return
-            job, start, end = task
+            job, index = task
             try:
-                self._write_segment(job, start, end)
+                self._write_page(job, index)
             except Exception as e:
                 with job.lock:
                     job.failed = job.failed or f"{type(e).__name__}: {e}"
@@ -260,7 +331,7 @@ class DumpWriter:
             if last:
                 self._finish_file(job)
 
-    def _write_segment(self, job: _FileJob, start: int, end: int) -> None:
+    def _write_page(self, job: _FileJob, index: int) -> None:
         with job.lock:
             if job.failed:
                 return
@@ -271,15 +342,18 @@ class DumpWriter:
                 job.fd = os.open(job.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, protocol.FILE_MODE)
                 os.ftruncate(job.fd, job.nbytes)
             fd = job.fd
-        # Walk the concatenation header + tensors and write the part in [start, end).
-        pos = 0
-        for part in [memoryview(job.header), *(_bytes_view(h) for h in job.host)]:
-            lo, hi = max(start, pos), min(end, pos + len(part))
-            if lo < hi:
-                _pwrite_all(fd, part[lo - pos : hi - pos], lo)
-            pos += len(part)
+        start = index * self.page_bytes
+        n = min(self.page_bytes, job.nbytes - start)
+        _pwrite_all(fd, job.pages[index].view[:n], start)
 
     def _finish_file(self, job: _FileJob) -> None:
+        try:
+            self._close_file(job)
+        finally:
+            # Last, so that flush() returning means the markers are written too.
+            self._release(job.pages)
+
+    def _close_file(self, job: _FileJob) -> None:
         ok = False
         try:
             if job.fd >= 0:
@@ -289,31 +363,43 @@ class DumpWriter:
                 ok = True
         except OSError as e:
             job.failed = job.failed or f"{type(e).__name__}: {e}"
-        finally:
-            if not ok:
+        if not ok:
+            with contextlib.suppress(OSError):
                 job.tmp.unlink(missing_ok=True)
-            job.host.clear()
-            job.keepalive.clear()
-            self._release(job.nbytes)
         with self._cond:
             state = self._rids.get(job.rid)
-        if state is None:
-            return
-        if ok:
-            self.stats.chunks_written += 1
-            self.stats.bytes_written += job.nbytes
-        else:
+            if ok:
+                self.stats.chunks_written += 1
+                self.stats.bytes_written += job.nbytes
+            else:
+                self.stats.chunks_failed += 1
+            if state is not None:
+                state.outstanding -= 1
+                if not ok:
+                    state.error = state.error or (
+                        f"writing chunk {job.prefix_len} failed: {job.failed}")
+        if not ok:
             logger.error("hsdump: writing %s failed: %s", job.final, job.failed)
-            with self._cond:
-                state.error = state.error or f"writing chunk {job.prefix_len} failed: {job.failed}"
-        with self._cond:
-            state.outstanding -= 1
-        self._maybe_finish(job.rid, state)
+        if state is not None:
+            self._maybe_finish(job.rid, state)
 
-    def _fail(self, rid: str, state: _RidState, reason: str) -> None:
+    def _internal_error(
+        self, rid: str, state: _RidState, prompt_len: int | None, reason: str
+    ) -> None:
         with self._cond:
-            first = state.error is None
+            self.stats.internal_errors += 1
+        logger.exception("hsdump: internal error on a chunk of %s", rid)
+        self._fail(rid, state, f"internal error: {reason}", prompt_len)
+
+    def _fail(
+        self, rid: str, state: _RidState, reason: str | None, prompt_len: int | None
+    ) -> None:
+        """Record ``reason`` (None: keep the earlier one) and the prompt length, then finish."""
+        with self._cond:
+            first = state.error is None and reason is not None
             state.error = state.error or reason
+            if prompt_len is not None:
+                state.prompt_len = prompt_len
         if first:
             logger.error("hsdump: request %s cannot be dumped: %s", rid, reason)
         self._maybe_finish(rid, state)
@@ -323,18 +409,16 @@ class DumpWriter:
             if state.outstanding:
                 return
             complete = state.prompt_len is not None
+            if complete:
+                self._rids.pop(rid, None)
             if state.error is not None:
-                write_error = not state.error_written
-                state.error_written = True
-                if complete:
-                    self._rids.pop(rid, None)
-                payload = {"rid": rid, "reason": state.error, "chunks": sorted(state.chunks)}
-                if not write_error:
+                if state.error_written:
                     return
+                state.error_written = True
+                payload = {"rid": rid, "reason": state.error, "chunks": sorted(state.chunks)}
                 self.stats.requests_failed += 1
                 marker = protocol.ERROR_MARKER
             elif complete:
-                self._rids.pop(rid, None)
                 payload = {"rid": rid, "prompt_len": state.prompt_len, "tokens": state.tokens,
                            "chunks": sorted(state.chunks)}
                 self.stats.requests_done += 1
@@ -346,8 +430,28 @@ class DumpWriter:
             protocol.make_private_dir(d)
             protocol.write_json_atomic(d / marker, payload)
         except Exception:
-            self.stats.internal_errors += 1
+            with self._cond:
+                self.stats.internal_errors += 1
             logger.exception("hsdump: could not write %s for %s", marker, rid)
+
+
+def _page_bytes_for(max_inflight_bytes: int) -> int:
+    """Page size: PAGE_BYTES, smaller for a small cap (a power of two, at least 4 KiB)."""
+    target = max(_MIN_PAGE_BYTES, max_inflight_bytes // _MIN_PAGES_PER_CAP)
+    return min(PAGE_BYTES, 1 << (target.bit_length() - 1))
+
+
+def _spans(start: int, n: int, page_bytes: int) -> Iterator[tuple[int, int, int, int]]:
+    """Split stream bytes [start, start + n) at page boundaries.
+
+    Yields ``(page index, offset in page, offset in the source, length)``.
+    """
+    pos, end = start, start + n
+    while pos < end:
+        i, off = divmod(pos, page_bytes)
+        k = min(page_bytes - off, end - pos)
+        yield i, off, pos - start, k
+        pos += k
 
 
 def _st_dtype(t: torch.Tensor) -> str:
@@ -356,10 +460,6 @@ def _st_dtype(t: torch.Tensor) -> str:
         return protocol.SAFETENSORS_DTYPES[name]
     except KeyError:
         raise TypeError(f"dtype {t.dtype} is not supported in dump files") from None
-
-
-def _bytes_view(t: torch.Tensor) -> memoryview:
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:

@@ -49,7 +49,7 @@ def make_tokenizer(path: Path):
     return fast
 
 
-def make_llama(path: Path, hidden: int = 64, layers: int = 4, intermediate: int | None = None):
+def make_llama(path: Path, hidden: int = 64, layers: int = 8, intermediate: int | None = None):
     """Write a tiny random Llama checkpoint (bf16) to ``path``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -68,14 +68,14 @@ def make_llama(path: Path, hidden: int = 64, layers: int = 4, intermediate: int 
 
 
 def make_deepseek_v3(path: Path):
-    """Write a tiny random DeepSeek-V3 (MLA + MoE, 6 layers, first dense) checkpoint."""
+    """Write a tiny random DeepSeek-V3 (MLA + MoE, 8 layers, first dense) checkpoint."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     torch.manual_seed(0)
     tok = make_tokenizer(path)
     cfg = DeepseekV3Config(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=4,
+        num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=4,
         n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2, first_k_dense_replace=1,
         n_group=1, topk_group=1, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=16,
         qk_nope_head_dim=32, v_head_dim=32, max_position_embeddings=163840,
@@ -102,8 +102,9 @@ def make_deepseek_v3(path: Path):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path, help="output directory")
-    parser.add_argument("--llama-hidden", type=int, default=64, help="Llama hidden size (default 64)")
-    parser.add_argument("--llama-layers", type=int, default=4, help="Llama layers (default 4)")
+    parser.add_argument("--llama-hidden", type=int, default=64,
+                        help="Llama hidden size (default 64)")
+    parser.add_argument("--llama-layers", type=int, default=8, help="Llama layers (default 8)")
     args = parser.parse_args()
     make_llama(args.out / "tiny-llama", args.llama_hidden, args.llama_layers)
     make_deepseek_v3(args.out / "tiny-deepseek-v3")

@@ -33,7 +33,8 @@ def cpu_env(extra: dict[str, str] | None = None, tp: int = 1) -> dict[str, str]:
     env.pop("SGLANG_HS_DUMP_DIR", None)
     if tp > 1:
         # One NUMA node: bind one core per rank; no NCCL on CPU: fall back to gloo.
-        env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))
+        cores = os.cpu_count() or 1
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(i % cores) for i in range(tp))
         env["SGLANG_NCCL_SO_PATH"] = "/nonexistent/libnccl.so.2"
     env.update(extra or {})
     return env
@@ -103,7 +104,8 @@ def start(model: Path, log_path: Path, *, args: list[str] = (), env: dict[str, s
 
 
 def run_until_exit(model: Path, log_path: Path, *, args: list[str] = (),
-                   env: dict[str, str] | None = None, tp: int = 1, timeout: float = 240) -> tuple[int, str]:
+                   env: dict[str, str] | None = None, tp: int = 1,
+                   timeout: float = 240) -> tuple[int, str]:
     """Start a server expected to fail at start-up; return (exit code, log)."""
     proc = launch(model, log_path, args=["--port", str(free_port()), *args], env=env, tp=tp)
     try:

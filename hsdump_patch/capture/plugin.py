@@ -1,0 +1,81 @@
+"""SGLang plugin entry point (group ``sglang.srt.plugins``): registration only.
+
+``register()`` runs in every SGLang process. With ``SGLANG_HS_DUMP_DIR`` unset it does nothing
+at all. Otherwise it registers three hooks with SGLang's ``HookRegistry``:
+
+* before ``ServerArgs.resolve_once`` (the launcher, before anything is spawned): validate the
+  environment and refuse unsupported server flags, so a bad configuration fails in seconds;
+* after ``ModelRunner.init_cuda_graphs`` (each scheduler, after graph capture, every TP rank):
+  install the capture on the target model runner (never on a draft runner);
+* after ``ForwardBatch.init_new``: note the prompt length of each dumped request, so the
+  writer knows which chunk completes it (CPU-side, no device sync).
+
+SGLang only logs an exception raised by ``register()`` itself, so errors are raised from the
+hooks, where they stop the server at start-up with the message.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from hsdump_patch.capture.config import ENV_DIR
+
+logger = logging.getLogger("hsdump")
+
+HOOK_TARGETS = (
+    "sglang.srt.server_args.ServerArgs.resolve_once",
+    "sglang.srt.model_executor.model_runner.ModelRunner.init_cuda_graphs",
+    "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new",
+)
+_PLACEHOLDER_MODELS = ("dummy", "none")
+_registered = False
+_session: Any = None  # the CaptureSession of this process's target model runner
+
+
+def register() -> None:
+    """Register the hooks when ``SGLANG_HS_DUMP_DIR`` is set (re-entrant)."""
+    global _registered
+    if _registered or not os.environ.get(ENV_DIR, "").strip():
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(HOOK_TARGETS[0], _validate_before_launch, HookType.BEFORE)
+    HookRegistry.register(HOOK_TARGETS[1], _install_after_graphs, HookType.AFTER)
+    HookRegistry.register(HOOK_TARGETS[2], _note_prompt_lengths, HookType.AFTER)
+    _registered = True
+
+
+def _validate(server_args: Any) -> Any:
+    from hsdump_patch.capture import guards
+    from hsdump_patch.capture.config import DumpConfig
+
+    config = DumpConfig.from_env()
+    guards.check(server_args)
+    return config
+
+
+def _validate_before_launch(server_args: Any, *args: Any, **kwargs: Any) -> None:
+    if str(getattr(server_args, "model_path", "")).lower() in _PLACEHOLDER_MODELS:
+        return  # SGLang builds placeholder ServerArgs internally; not a server launch
+    _validate(server_args)
+
+
+def _install_after_graphs(result: Any, runner: Any, *args: Any, **kwargs: Any) -> None:
+    global _session
+    if getattr(runner, "is_draft_worker", False):
+        return
+    from hsdump_patch.capture.session import CaptureSession
+
+    config = _validate(runner.server_args)
+    _session = CaptureSession(config, runner)
+
+
+def _note_prompt_lengths(result: Any, cls: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
+    if _session is None or batch is None:
+        return
+    try:
+        _session.record_prompt_lengths(batch)
+    except Exception:
+        logger.exception("hsdump: could not record prompt lengths; the server keeps serving")

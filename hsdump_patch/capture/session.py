@@ -1,0 +1,318 @@
+"""The capture installed on one model runner: collectors at the chosen layers, per-forward
+bookkeeping, and hand-off of each request's rows to the writer.
+
+Installed identically on every tensor-parallel rank (so the collective sequence is the same
+everywhere); only the writer rank (attention-TP rank 0) copies rows and writes files.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from hsdump_patch import __version__, protocol
+from hsdump_patch.capture.config import ENV_LAYERS, ConfigError, DumpConfig
+from hsdump_patch.capture.model_adapter import (
+    DecoderStack,
+    eagle3_serving_layers,
+    locate_decoder_stack,
+)
+from hsdump_patch.capture.writer import DumpWriter
+
+logger = logging.getLogger("hsdump")
+
+_MAX_TRACKED = 100_000
+
+
+class _Collector:
+    """A ``capture_gathered`` collector for one slot; chains to SGLang's own collector."""
+
+    __slots__ = ("inner", "session", "slot")
+
+    def __init__(self, session: CaptureSession, slot: int, inner: Any) -> None:
+        self.session = session
+        self.slot = slot
+        self.inner = inner
+
+    def capture(self, tensor: torch.Tensor, *, owned: bool = False) -> None:
+        state = self.session.state
+        if state is not None:
+            state.store(self.slot, tensor)
+        if self.inner is not None:
+            self.inner.capture(tensor, owned=owned)
+
+
+class _ForwardState:
+    """What one dumped forward has captured so far (rows packed as ``[T, S, H]``)."""
+
+    def __init__(self, forward_batch: Any, rows: int, slots: int, is_writer: bool) -> None:
+        self.forward_batch = forward_batch
+        self.rows = rows
+        self.slots = slots
+        self.is_writer = is_writer
+        self.buf: torch.Tensor | None = None
+        self.captured: set[int] = set()
+        self.error: str | None = None
+
+    def store(self, slot: int, tensor: torch.Tensor) -> None:
+        # Runs inside SGLang's layer code: it must never raise.
+        if not self.is_writer or self.error is not None:
+            return
+        try:
+            if tensor.shape[0] < self.rows:
+                raise ValueError(f"captured {tensor.shape[0]} rows, the batch has {self.rows}")
+            if self.buf is None:
+                self.buf = torch.empty((self.rows, self.slots, tensor.shape[-1]),
+                                       dtype=tensor.dtype, device=tensor.device)
+            self.buf[:, slot].copy_(tensor[: self.rows])
+            self.captured.add(slot)
+        except Exception as e:
+            self.error = f"capture of slot {slot} failed: {type(e).__name__}: {e}"
+
+
+def _forward_batch_of(args: tuple, kwargs: dict) -> Any:
+    fb = kwargs.get("forward_batch")
+    if fb is None and len(args) > 2:
+        fb = args[2]
+    return fb
+
+
+def _is_writer_rank() -> bool:
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        p = get_parallel()
+        return p.attn_tp_rank == 0 and getattr(p, "attn_cp_rank", 0) == 0
+    except Exception:
+        return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+
+
+def _model_dtype(runner: Any, stack: DecoderStack) -> torch.dtype:
+    dtype = getattr(getattr(runner, "model_config", None), "dtype", None)
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    return next(p.dtype for p in stack.inner.parameters() if p.is_floating_point())
+
+
+class CaptureSession:
+    """Hooks on one model runner. Create once per runner, after CUDA-graph setup."""
+
+    def __init__(self, config: DumpConfig, runner: Any) -> None:
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+        self.config = config
+        self.extend_mode = ForwardMode.EXTEND
+        self.stack = locate_decoder_stack(runner.model)
+        self.layers, self.layers_source = self._resolve_layers()
+        self.slots = len(self.layers) + int(config.dump_final)
+        self.is_writer = _is_writer_rank()
+        self.state: _ForwardState | None = None
+        self.prompt_lens: OrderedDict[str, int] = OrderedDict()  # fed by ForwardBatch.init_new
+        self.in_progress: OrderedDict[str, None] = OrderedDict()
+        self.errors = 0
+        server_args = runner.server_args
+        self.tp_size = int(getattr(server_args, "tp_size", 1) or 1)
+        self.model_name = str(getattr(server_args, "served_model_name", None)
+                              or getattr(server_args, "model_path", ""))
+        import sglang
+
+        self.sglang_version = sglang.__version__
+        self.writer: DumpWriter | None = None
+        if self.is_writer:
+            protocol.make_private_dir(config.dump_dir)
+            self.writer = DumpWriter(
+                config.dump_dir,
+                max_inflight_bytes=config.max_inflight_bytes,
+                min_free_bytes=config.min_free_bytes,
+                threads=config.writer_threads,
+                device=torch.device(runner.device if isinstance(runner.device, str)
+                                    else str(runner.device)),
+            )
+            dtype = _model_dtype(runner, self.stack)
+            info = protocol.ServerInfo(
+                model=self.model_name,
+                architecture=self.stack.architecture,
+                layers=tuple(self.layers),
+                layers_source=self.layers_source,
+                has_final=config.dump_final,
+                hidden_size=self.stack.hidden_size,
+                num_hidden_layers=self.stack.num_layers,
+                dtype=str(dtype).removeprefix("torch."),
+                tp_size=self.tp_size,
+                rid_prefix=config.rid_prefix,
+                sglang_version=self.sglang_version,
+                hsdump_version=__version__,
+                pid=os.getpid(),
+            )
+            protocol.write_json_atomic(config.dump_dir / protocol.SERVER_INFO, info.to_json())
+        self._install()
+        logger.info(
+            "hsdump: capturing the residual stream at the input of layers %s (%s) of %s "
+            "(%d layers)%s; rids starting with %r; dump dir %s; %s rank",
+            self.layers, self.layers_source, self.stack.architecture, self.stack.num_layers,
+            " + final post-norm state" if config.dump_final else "", config.rid_prefix,
+            config.dump_dir, "writer" if self.is_writer else "non-writer",
+        )
+
+    # ------------------------------------------------------------------ set-up
+
+    def _resolve_layers(self) -> tuple[list[int], str]:
+        n = self.stack.num_layers
+        if self.config.layers is not None:
+            layers, source = list(self.config.layers), f"{ENV_LAYERS}"
+        else:
+            draft = self.config.draft_layer_ids
+            layers = eagle3_serving_layers(self.stack, list(draft) if draft else None)
+            source = (f"auto from drafter ids {list(draft)} in {self.config.draft_config}"
+                      if draft else "auto: SGLang's default EAGLE-3 layers")
+        bad = [i for i in layers if not 0 <= i < n]
+        if bad:
+            raise ConfigError(
+                f"{ENV_LAYERS}: capture indices {bad} are out of range for "
+                f"{self.stack.architecture} with {n} decoder layers (valid: 0..{n - 1}; index i = "
+                "input of layer i = HF output_hidden_states[i]). For the final post-norm state set "
+                "SGLANG_HS_DUMP_FINAL=1."
+            )
+        return layers, source
+
+    def _install(self) -> None:
+        for slot, index in enumerate(self.layers):
+            boundary = self.stack.layers[index].attn_boundary
+            boundary.prepare = self._wrap_prepare(boundary.prepare, slot)
+        self.stack.inner.register_forward_pre_hook(self._before_forward, with_kwargs=True)
+        self.stack.inner.register_forward_hook(self._after_forward, with_kwargs=True)
+
+    def _wrap_prepare(self, prepare: Any, slot: int) -> Any:
+        def prepare_with_capture(hidden_states, forward_batch, **call):
+            if self.state is not None and self.state.forward_batch is forward_batch:
+                call["capture_gathered"] = _Collector(self, slot, call.get("capture_gathered"))
+            return prepare(hidden_states, forward_batch, **call)
+
+        return prepare_with_capture
+
+    # ------------------------------------------------------------------ per forward
+
+    def record_prompt_lengths(self, batch: Any) -> None:
+        """Remember prompt lengths of dumped requests (from ``ForwardBatch.init_new``)."""
+        prefix = self.config.rid_prefix
+        for req in getattr(batch, "reqs", None) or ():
+            rid = req.rid
+            if isinstance(rid, str) and rid.startswith(prefix):
+                self.prompt_lens[rid] = len(req.origin_input_ids)
+        while len(self.prompt_lens) > _MAX_TRACKED:
+            self.prompt_lens.popitem(last=False)
+
+    def _dumpable(self, fb: Any) -> bool:
+        if fb is None or fb.forward_mode != self.extend_mode:
+            return False
+        if getattr(fb, "_original_forward_mode", None) not in (None, self.extend_mode):
+            return False
+        rids, lens = fb.rids, fb.extend_seq_lens_cpu
+        if not rids or lens is None or len(rids) != len(lens):
+            return False
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return False
+        prefix = self.config.rid_prefix
+        return any(isinstance(r, str) and r.startswith(prefix) for r in rids)
+
+    def _before_forward(self, module: Any, args: tuple, kwargs: dict) -> None:
+        self.state = None
+        try:
+            fb = _forward_batch_of(args, kwargs)
+            if self._dumpable(fb):
+                self.state = _ForwardState(fb, int(sum(fb.extend_seq_lens_cpu)), self.slots,
+                                           self.is_writer)
+        except Exception:
+            self._count_error("deciding whether to dump a forward")
+
+    def _after_forward(self, module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+        state, self.state = self.state, None
+        if state is None or not self.is_writer:
+            return
+        try:
+            self._hand_off(state, output)
+        except Exception as e:
+            self._count_error("handing a forward's rows to the writer")
+            self._fail_batch(state, f"internal error in the capture patch: {type(e).__name__}: {e}")
+
+    def _hand_off(self, state: _ForwardState, output: Any) -> None:
+        t0 = time.perf_counter()
+        if self.config.dump_final:
+            final = output[0] if isinstance(output, tuple) else output
+            state.store(self.slots - 1, final)
+        missing = sorted(set(range(self.slots)) - state.captured)
+        if state.error is None and missing:
+            state.error = (f"capture points did not fire for slots {missing} (layers "
+                           f"{[self.layers[s] for s in missing if s < len(self.layers)]})")
+        if state.error is not None:
+            self._count_error(state.error, with_traceback=False)
+            self._fail_batch(state, state.error)
+            return
+        fb = state.forward_batch
+        ids = fb.input_ids[: state.rows].to(torch.int64, copy=True)
+        positions = fb.positions[: state.rows].to(torch.int64, copy=True)
+        assert self.writer is not None and state.buf is not None
+        start = 0
+        for rid, n, prefix_len in zip(fb.rids, fb.extend_seq_lens_cpu,
+                                      fb.extend_prefix_lens_cpu, strict=True):
+            end = start + n
+            if isinstance(rid, str) and rid.startswith(self.config.rid_prefix):
+                self._submit(rid, int(prefix_len), int(n),
+                             [(protocol.HIDDEN_KEY, state.buf[start:end]),
+                              (protocol.INPUT_IDS_KEY, ids[start:end]),
+                              (protocol.POSITIONS_KEY, positions[start:end])])
+            start = end
+        logger.debug("hsdump: handed %d rows to the writer in %.2f ms", state.rows,
+                     (time.perf_counter() - t0) * 1e3)
+
+    def _track_chunk(self, rid: str, prefix_len: int, n: int) -> tuple[int | None, bool]:
+        """Return (prompt length if this chunk ends the prompt else None, is first chunk)."""
+        prompt_len = self.prompt_lens.get(rid)
+        last = prompt_len is not None and prefix_len + n >= prompt_len
+        first = rid not in self.in_progress
+        if last:
+            self.prompt_lens.pop(rid, None)
+            self.in_progress.pop(rid, None)
+        elif first:
+            self.in_progress[rid] = None
+            while len(self.in_progress) > _MAX_TRACKED:
+                self.in_progress.popitem(last=False)
+        return (prompt_len if last else None), first
+
+    def _submit(self, rid: str, prefix_len: int, n: int, tensors: list) -> None:
+        assert self.writer is not None
+        ends_at, first = self._track_chunk(rid, prefix_len, n)
+        if first and prefix_len > 0:
+            self.writer.fail_request(
+                rid,
+                f"the first {prefix_len} tokens came from a prefix cache and were not "
+                "recomputed, so they have no hidden states (run with --disable-radix-cache)",
+                ends_at,
+            )
+            return
+        meta = protocol.ChunkMeta(
+            rid=rid, prefix_len=prefix_len, layers=tuple(self.layers),
+            has_final=self.config.dump_final, model=self.model_name, tp_size=self.tp_size,
+            sglang_version=self.sglang_version, hsdump_version=__version__,
+        )
+        self.writer.submit(meta, tensors, ends_at)
+
+    def _fail_batch(self, state: _ForwardState, reason: str) -> None:
+        if self.writer is None:
+            return
+        fb = state.forward_batch
+        for rid, n, prefix_len in zip(fb.rids, fb.extend_seq_lens_cpu,
+                                      fb.extend_prefix_lens_cpu, strict=True):
+            if isinstance(rid, str) and rid.startswith(self.config.rid_prefix):
+                ends_at, _ = self._track_chunk(rid, int(prefix_len), int(n))
+                self.writer.fail_request(rid, reason, ends_at)
+
+    def _count_error(self, what: str, *, with_traceback: bool = True) -> None:
+        self.errors += 1
+        log = logger.exception if with_traceback else logger.error
+        log("hsdump: error while %s (%d so far); the server keeps serving", what, self.errors)
