@@ -11,6 +11,8 @@ import sys
 SUBCOMMAND_MODULES: tuple[str, ...] = (
     "hsdump_patch.ops.serve",
     "hsdump_patch.ops.doctor",
+    "hsdump_patch.client.extract",
+    "hsdump_patch.client.smoke",
 )
 
 

@@ -1,11 +1,11 @@
-"""The ``hsdump extract`` sub-command: send a dataset through a dump-enabled SGLang server and
-write one training record per sample.
+"""The ``hsdump extract`` sub-command: one training record per dataset sample.
 
-Per sample: a ``/generate`` request with the token ids, ``max_new_tokens`` 0 and the rid
-``<prefix><id>``; a check of ``meta_info`` (no cached tokens, the whole prompt counted); a wait
-for the done/error marker; the chunks read, cross-checked and assembled; the record written
-atomically to ``--out``; the request's files deleted from the dump dir. Requests run with
-bounded concurrency and bounded hidden-state bytes in the dump dir.
+The dataset goes through a dump-enabled SGLang server. Per sample: a ``/generate`` request
+with the token ids, ``max_new_tokens`` 0 and the rid ``<prefix><id>``; a check of ``meta_info``
+(no cached tokens, the whole prompt counted); a wait for the done/error marker; the chunks
+read, cross-checked and assembled; the record written atomically to ``--out``; the request's
+files deleted from the dump dir. Requests run with bounded concurrency and bounded
+hidden-state bytes in the dump dir.
 """
 
 from __future__ import annotations

@@ -1,0 +1,189 @@
+"""The ``hsdump smoke`` sub-command: a small end-to-end extraction, then its validation.
+
+It extracts a built-in multi-turn prompt set (or ``--dataset``) through the real server and
+checks every record: keys, shapes and dtype against ``server.json``, finite values, token ids
+and loss mask equal to what was sent, a non-empty loss mask, chunk coverage (checked while
+assembling), determinism (one prompt sent twice gives bitwise-identical states) and a clean
+dump dir afterwards. One verdict line, a JSON report, exit code 0 only on PASS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hsdump_patch import protocol
+from hsdump_patch.client import extract as ex
+from hsdump_patch.client import records
+from hsdump_patch.client.dataset import ChatRenderer, Sample, index_dataset, iter_samples
+
+DEFAULT_REPORT = "hsdump-smoke-report.json"
+_LONG = " ".join([
+    "Hidden states from decoder layers are dumped to shared memory.",
+    "EAGLE speculative decoding drafts tokens with a small model.",
+    "The quick brown fox jumps over the lazy dog.",
+] * 8)
+# Multi-turn, both chat shapes, one prompt long enough to span several prefill chunks on a
+# server with a small --chunked-prefill-size, and one conversation twice (determinism).
+_REPEATED = [{"role": "user", "content": "What is the capital of France?"},
+             {"role": "assistant", "content": "Paris is the capital of France."}]
+BUILTIN_ROWS: list[dict[str, Any]] = [
+    {"id": "openai-multi-turn", "messages": [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "Hello world, what is speculative decoding?"},
+        {"role": "assistant", "content": "A small model drafts tokens and a big one checks."},
+        {"role": "user", "content": "Which hidden states does EAGLE use?"},
+        {"role": "assistant", "content": "Hidden states from decoder layers of the target."},
+    ]},
+    {"id": "sharegpt-multi-turn", "conversations": [
+        {"from": "human", "value": "Tell me about the quick brown fox."},
+        {"from": "gpt", "value": "It jumps over the lazy dog."},
+        {"from": "human", "value": "And then?"},
+        {"from": "gpt", "value": "Then it rests."},
+    ]},
+    {"id": "long-prompt", "messages": [
+        {"role": "user", "content": _LONG},
+        {"role": "assistant", "content": "That was a long prompt. " + _LONG[:200]},
+    ]},
+    {"id": "determinism-a", "messages": _REPEATED},
+    {"id": "determinism-b", "messages": _REPEATED},
+]
+DETERMINISM_PAIR = ("determinism-a", "determinism-b")
+
+
+def check_record(rec: dict[str, Any], fmt: str, info: protocol.ServerInfo,
+                 sample: Sample) -> list[str]:
+    """Return the problems of one loaded record (empty when it is valid)."""
+    n, h, k = len(sample.input_ids), info.hidden_size, len(info.layers)
+    dtype = records.torch_dtype(info.dtype)
+    if fmt == "eagle3":
+        hidden = {f"hidden_states[{i}]": (t, (n, h)) for i, t in enumerate(rec["hidden_states"])}
+        final_key = "final_hidden_state"
+        if len(rec["hidden_states"]) != k:
+            return [f"{len(rec['hidden_states'])} hidden_states, expected {k}"]
+    else:
+        hidden = {"aux_hidden_state": (rec["aux_hidden_state"], (n, k * h))}
+        final_key = "hidden_state"
+    if info.has_final:
+        hidden[final_key] = (rec[final_key], (n, h))
+    problems = []
+    for name, (t, shape) in hidden.items():
+        if tuple(t.shape) != shape or t.dtype != dtype:
+            problems.append(f"{name} is {tuple(t.shape)} {t.dtype}, expected {shape} {dtype}")
+        elif not torch.isfinite(t).all():
+            problems.append(f"{name} has non-finite values")
+    if rec["input_ids"].tolist() != sample.input_ids:
+        problems.append("input_ids differ from the ids sent")
+    if rec["loss_mask"].tolist() != sample.loss_mask:
+        problems.append("loss_mask differs from the mask computed")
+    if not rec["loss_mask"].any():
+        problems.append("loss_mask is all zeros")
+    return problems
+
+
+def _hidden_tensors(rec: dict[str, Any]) -> list[torch.Tensor]:
+    return [v for key, v in sorted(rec.items()) if key not in ("input_ids", "loss_mask")
+            for v in (v if isinstance(v, list) else [v])]
+
+
+def validate(out: Path, fmt: str, info: protocol.ServerInfo, samples: list[Sample],
+             report: Any, pair: tuple[str, ...]) -> list[tuple[str, bool, str]]:
+    """Run every check; return ``(name, passed, detail)`` rows."""
+    checks = [("server.json", True,
+               f"layers {list(info.layers)}{' + final' if info.has_final else ''}, hidden "
+               f"{info.hidden_size}, {info.dtype}, sglang {info.sglang_version}")]
+    bad = [f"{i.where or i.id}: {i.reason}" for i in report.issues]
+    checks.append(("extraction", not bad and not report.stopped and report.ok == len(samples),
+                   f"{report.ok}/{len(samples)} samples, {report.tokens} tokens, up to "
+                   f"{report.max_chunks} chunk(s) per sample" + "".join(f"; {b}" for b in bad)
+                   + (f"; stopped: {report.stopped}" if report.stopped else "")))
+    loaded: dict[str, dict[str, Any]] = {}
+    problems = []
+    for sample in samples:
+        path = out / records.record_name(sample.id)
+        if not path.is_file():
+            continue
+        loaded[sample.id] = rec = records.load_record(path)
+        problems += [f"{sample.id}: {p}" for p in check_record(rec, fmt, info, sample)]
+    checks.append(("records", bool(loaded) and not problems,
+                   "; ".join(problems) or f"{len(loaded)} records: shapes, dtype, finite, ids, "
+                   "non-empty loss mask"))
+    a, b = (loaded.get(i) for i in pair)
+    if a is not None and b is not None:
+        same = all(torch.equal(x, y) for x, y in zip(_hidden_tensors(a), _hidden_tensors(b),
+                                                     strict=True))
+        checks.append(("determinism", same, "same prompt twice: bitwise "
+                       + ("identical" if same else "DIFFERENT")))
+    checks.append(("dump dir clean", report.leftover_dump_dirs == 0,
+                   f"{report.leftover_dump_dirs} request dir(s) left"))
+    return checks
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register ``hsdump smoke``."""
+    p = subparsers.add_parser("smoke", help="extract a few prompts end to end and validate them",
+                              description=__doc__.splitlines()[0])
+    ex.add_common_args(p)
+    p.add_argument("--dataset", type=Path, default=None,
+                   help="JSONL to use instead of the built-in prompts (default: built-in; its "
+                        f"ids {DETERMINISM_PAIR} are compared for determinism)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="keep the records here (default: a temp dir, deleted afterwards)")
+    p.add_argument("--report", type=Path, default=Path(DEFAULT_REPORT),
+                   help=f"JSON report path (default ./{DEFAULT_REPORT})")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``hsdump smoke``; 0 on PASS, 1 on FAIL."""
+    work = Path(tempfile.mkdtemp(prefix="hsdump-smoke-"))
+    try:
+        return _run(args, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _run(args: argparse.Namespace, work: Path) -> int:
+    dataset = args.dataset
+    pair: tuple[str, ...] = DETERMINISM_PAIR
+    if dataset is None:
+        # A fresh id prefix per run, so concurrent smokes never share a rid.
+        tag = os.urandom(4).hex()
+        dataset = work / "smoke.jsonl"
+        dataset.write_text("".join(json.dumps({**r, "id": f"smoke-{tag}-{r['id']}"}) + "\n"
+                                   for r in BUILTIN_ROWS))
+        pair = tuple(f"smoke-{tag}-{i}" for i in DETERMINISM_PAIR)
+    out = args.out or work / "records"
+    settings = ex.settings_from_args(args, out, concurrency=1, on_error="skip")
+    verdict: dict[str, Any] = {"server": args.server, "dump_dir": str(args.dump_dir)}
+    try:
+        report = ex.extract(settings, dataset, model=args.model, max_len=args.max_len,
+                            rid_prefix=args.rid_prefix, trust_remote_code=args.trust_remote_code)
+        info = protocol.read_server_info(args.dump_dir)
+        tokenizer = ex.load_tokenizer(json.loads((out / records.META_FILE).read_text())
+                                      ["tokenizer"], args.trust_remote_code)
+        refs, _ = index_dataset(dataset)
+        samples = [s for s in iter_samples(dataset, refs, ChatRenderer(tokenizer), args.max_len)
+                   if isinstance(s, Sample)]
+        checks = validate(out, args.fmt, info, samples, report, pair)
+        verdict["report"] = report.to_json()
+    except (ex.ServerDown, protocol.ProtocolError, ValueError, RuntimeError, OSError) as e:
+        checks = [("setup", False, str(e))]
+    passed = all(ok for _, ok, _ in checks)
+    verdict.update(passed=passed, checks=[{"check": n, "passed": ok, "detail": d}
+                                          for n, ok, d in checks])
+    protocol.write_json_atomic(args.report, verdict)
+    for name, ok, detail in checks:
+        print(f"  {'ok  ' if ok else 'FAIL'} {name}: {detail}")
+    failed = [n for n, ok, _ in checks if not ok]
+    print(f"hsdump smoke: {'PASS' if passed else 'FAIL (' + ', '.join(failed) + ')'} "
+          f"(report: {args.report})", file=sys.stdout)
+    return 0 if passed else 1
