@@ -368,11 +368,12 @@ def connect(settings: Settings, rid_prefix: str | None) -> tuple[ServerClient, d
         raise protocol.ProtocolError(
             f"{settings.dump_dir}/server.json uses protocol version {info.format_version}; this "
             f"client reads version {protocol.FORMAT_VERSION}: use matching hsdump versions")
-    served = model_info.get("model_path")
-    if served is not None and served != info.model:
+    served = {model_info.get(k) for k in ("model_path", "served_model_name")} - {None}
+    if served and info.model not in served:
         raise protocol.ProtocolError(
             f"{settings.dump_dir}/server.json was written by a server of {info.model}, but "
-            f"{settings.server} serves {served}: --dump-dir belongs to another server")
+            f"{settings.server} serves {' / '.join(sorted(served))}: --dump-dir belongs to "
+            "another server")
     if rid_prefix is not None and rid_prefix != info.rid_prefix:
         raise protocol.ProtocolError(
             f"--rid-prefix {rid_prefix!r} differs from the server's SGLANG_HS_DUMP_RID_PREFIX "
