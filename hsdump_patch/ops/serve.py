@@ -1,0 +1,179 @@
+"""``hsdump serve``: launch ``python -m sglang.launch_server`` configured for extraction.
+
+It adds what the capture patch needs (eager prefill, no radix cache, the dump directory),
+applies the Blackwell profile of :mod:`hsdump_patch.ops.blackwell` unless the user set the
+same flag, refuses arguments that contradict extraction, then replaces itself with the server
+(so a container's stop signal reaches SGLang directly).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import shlex
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from hsdump_patch.ops import blackwell
+
+DEFAULT_DUMP_DIR = "/dev/shm/sglang_hs"
+REQUIRED_ARGS = ("--disable-cuda-graph", "--disable-radix-cache")
+# SGLang flags that hsdump serve sets from its own options.
+OWN_FLAGS = {"model_path": "--model", "tp_size": "--tp", "host": "--host", "port": "--port"}
+GRAPH_FLAGS = {"cuda_graph_backend_prefill": "--cuda-graph-backend-prefill",
+               "cuda_graph_backend_decode": "--cuda-graph-backend-decode",
+               "cuda_graph_config": "--cuda-graph-config"}
+
+
+class ServeError(ValueError):
+    """The requested server configuration cannot be used for extraction."""
+
+
+@dataclass
+class Launch:
+    """What ``hsdump serve`` runs: the command, the environment and the profile it applied."""
+
+    argv: list[str]
+    env: dict[str, str]
+    profile: str
+    applied: list[blackwell.Setting] = field(default_factory=list)
+    overridden: list[blackwell.Setting] = field(default_factory=list)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse would print usage and exit
+        raise ServeError(f"SGLang 0.5.23 rejects the server arguments: {message}")
+
+
+class _Explicit(argparse.Namespace):
+    """A namespace that claims every attribute exists, so argparse stores no defaults in it:
+    after parsing it holds exactly the options the command line set."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return None
+
+
+@functools.lru_cache(maxsize=1)
+def sglang_parser() -> argparse.ArgumentParser:
+    """SGLang's own ``launch_server`` parser (aliases and abbreviations resolved as it does)."""
+    from sglang.srt.server_args import ServerArgs
+
+    parser = _Parser(prog="sglang.launch_server", add_help=False)
+    ServerArgs.add_cli_args(parser)
+    return parser
+
+
+def explicit_options(sglang_args: list[str]) -> dict[str, Any]:
+    """Return ``{dest: value}`` for every SGLang option that ``sglang_args`` sets."""
+    parser = sglang_parser()
+    # --model-path is required by SGLang; a placeholder keeps the parse going.
+    ns = parser.parse_args(["--model-path", "\0", *sglang_args], namespace=_Explicit())
+    found = vars(ns)
+    if found.get("model_path") == "\0":
+        del found["model_path"]
+    return found
+
+
+def contradictions(explicit: dict[str, Any]) -> list[str]:
+    """Messages for user-passed SGLang options that contradict what ``hsdump serve`` sets."""
+    problems = [f"{OWN_FLAGS[d]} is an option of hsdump serve: pass it before '--', not as "
+                "an SGLang argument" for d in OWN_FLAGS if d in explicit]
+    for dest, flag in GRAPH_FLAGS.items():
+        if dest in explicit and explicit[dest] != "disabled":
+            problems.append(f"{flag} {explicit[dest]} turns CUDA graphs on, but extraction needs "
+                            "eager prefill (hsdump serve passes --disable-cuda-graph): remove it")
+    return problems
+
+
+def plan(args: argparse.Namespace, capability: tuple[int, int] | None) -> Launch:
+    """Build the server command for the parsed ``hsdump serve`` options; raise ServeError."""
+    from hsdump_patch.capture import guards
+
+    sglang_args = list(args.sglang_args)
+    if sglang_args[:1] == ["--"]:
+        sglang_args = sglang_args[1:]
+    if not os.path.isabs(args.dump_dir):
+        raise ServeError(f"--dump-dir must be an absolute path, got {args.dump_dir!r}")
+    if args.tp < 1:
+        raise ServeError(f"--tp must be at least 1, got {args.tp}")
+    explicit = explicit_options(sglang_args)
+    problems = contradictions(explicit)
+
+    profile = blackwell.profile_for(capability) if args.profile == "auto" else args.profile
+    settings = blackwell.profile_settings(
+        profile, blackwell.read_model_config(args.model), args.tp)
+    applied = [s for s in settings if s.dest not in explicit]
+    overridden = [s for s in settings if s.dest in explicit]
+
+    server_args = ["--model-path", args.model, "--tp-size", str(args.tp), "--host", args.host,
+                   "--port", str(args.port), *REQUIRED_ARGS,
+                   *(a for s in applied for a in s.args), *sglang_args]
+    problems += guards.find_problems(sglang_parser().parse_args(server_args))
+    if problems:
+        raise ServeError("hsdump serve: these server arguments cannot be used for extraction:\n"
+                         + "\n".join(f"  - {p}" for p in problems))
+    env = dict(os.environ, SGLANG_HS_DUMP_DIR=args.dump_dir)
+    argv = [sys.executable, "-m", "sglang.launch_server", *server_args]
+    return Launch(argv, env, profile, applied, overridden)
+
+
+def _summary(launch: Launch, capability: tuple[int, int] | None) -> str:
+    cap = "none" if capability is None else f"sm_{capability[0]}{capability[1]}"
+    rows = [("GPU compute capability", cap), ("profile", launch.profile),
+            ("dump dir (SGLANG_HS_DUMP_DIR)", launch.env["SGLANG_HS_DUMP_DIR"])]
+    rows += [(" ".join(s.args), "applied") for s in launch.applied]
+    rows += [(" ".join(s.args), "overridden by your arguments") for s in launch.overridden]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"hsdump serve: {k:<{width}}  {v}" for k, v in rows)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of ``hsdump serve``."""
+    capability = blackwell.detect_compute_capability() if args.profile == "auto" else None
+    try:
+        launch = plan(args, capability)
+    except ServeError as e:
+        print(e, file=sys.stderr)
+        return 2
+    print(_summary(launch, capability), file=sys.stderr)
+    print("hsdump serve: " + shlex.join(launch.argv), file=sys.stderr, flush=True)
+    if args.dry_run:
+        return 0
+    os.execve(launch.argv[0], launch.argv, launch.env)
+    return 1  # not reached
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``hsdump serve``."""
+    env = os.environ.get
+    p = subparsers.add_parser(
+        "serve", help="launch an SGLang server configured for hidden-state extraction",
+        description="Launch python -m sglang.launch_server with --disable-cuda-graph "
+        "--disable-radix-cache, the dump directory and the GPU profile. Arguments after '--' "
+        "go to SGLang unchanged; a profile setting is skipped when they set the same flag.",
+    )
+    p.add_argument("--model", default=env("HSDUMP_MODEL"), required=not env("HSDUMP_MODEL"),
+                   help="model path or hub id (default: $HSDUMP_MODEL; required without it)")
+    p.add_argument("--tp", type=int, default=int(env("HSDUMP_TP", "1")),
+                   help="tensor parallel size (default: $HSDUMP_TP or 1)")
+    p.add_argument("--host", default=env("HSDUMP_HOST", "127.0.0.1"),
+                   help="address to bind (default: $HSDUMP_HOST or 127.0.0.1; 0.0.0.0 to publish "
+                        "a container port)")
+    p.add_argument("--port", type=int, default=int(env("HSDUMP_PORT", "30000")),
+                   help="HTTP port (default: $HSDUMP_PORT or 30000; the image's health check "
+                        "reads $HSDUMP_PORT)")
+    p.add_argument("--dump-dir", default=env("SGLANG_HS_DUMP_DIR", DEFAULT_DUMP_DIR),
+                   help=f"absolute dump directory (default: $SGLANG_HS_DUMP_DIR or "
+                        f"{DEFAULT_DUMP_DIR})")
+    p.add_argument("--profile", choices=blackwell.PROFILES, default="auto",
+                   help="GPU profile: auto detects the compute capability (sm_120 -> sm120, "
+                        "sm_100 -> sm100, else none); see docs/image.md (default: auto)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the server command and exit (default: off)")
+    p.add_argument("sglang_args", nargs=argparse.REMAINDER,
+                   help="after '--': further arguments for sglang.launch_server (default: none)")
+    p.set_defaults(func=run)

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Test-only: build a local CPU stand-in of the official SGLang image (lmsysorg/sglang), which
+# cannot be pulled here. Same shape as the official one: a Debian/Ubuntu root file system whose
+# system `python3` imports sglang 0.5.23 (installed in /usr/local/lib/python3.X/dist-packages),
+# with pip and curl. The packages are the ones `pip install sglang==0.5.23` put into the
+# project's .venv (hardlinked, not downloaded again); the hsdump editable install is left out.
+#
+#   tests/image/build_standin.sh TAG            build TAG unless the engine already has it
+#
+# Environment: ENGINE (docker|podman, default docker), VENV (default .venv), CACHE (work folder,
+# default .cache/image), MIRROR (Debian mirror). Needs root (debootstrap).
+set -euo pipefail
+
+TAG=${1:?usage: build_standin.sh TAG}
+ENGINE=${ENGINE:-docker}
+VENV=${VENV:-.venv}
+CACHE=${CACHE:-.cache/image}
+MIRROR=${MIRROR:-http://deb.debian.org/debian}
+SUITE=bookworm  # its python3 is 3.11, the .venv's minor version
+
+if "$ENGINE" image inspect "$TAG" >/dev/null 2>&1; then
+  echo "stand-in base $TAG already built"
+  exit 0
+fi
+
+pyver=$("$VENV/bin/python" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
+site="$VENV/lib/python$pyver/site-packages"
+sglang_version=$("$VENV/bin/python" -c 'from importlib.metadata import version; print(version("sglang"))')
+[ -d "$site/sglang" ] || { echo "error: $site has no sglang; run 'make venv' first" >&2; exit 1; }
+
+if ! command -v debootstrap >/dev/null; then
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends debootstrap >/dev/null
+fi
+
+mkdir -p "$CACHE"
+os="$CACHE/rootfs-$SUITE"
+if [ ! -e "$os/.complete" ]; then
+  rm -rf "$os"
+  echo "debootstrap $SUITE -> $os"
+  debootstrap --variant=minbase --include=python3,python3-pip,curl,ca-certificates \
+    "$SUITE" "$os" "$MIRROR" >"$CACHE/debootstrap.log" 2>&1 \
+    || { tail -20 "$CACHE/debootstrap.log" >&2; exit 1; }
+  rm -rf "$os"/var/cache/apt/archives/*.deb "$os"/var/lib/apt/lists/*
+  touch "$os/.complete"
+fi
+ospy=$(chroot "$os" python3 -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
+[ "$ospy" = "$pyver" ] || { echo "error: $SUITE has python $ospy, $VENV has $pyver" >&2; exit 1; }
+
+# The root file system of the image: the OS plus the venv's packages as system packages.
+root="$CACHE/rootfs-standin"
+rm -rf "$root"
+cp -a "$os" "$root"
+rm -f "$root/.complete"
+dist="$root/usr/local/lib/python$pyver/dist-packages"
+mkdir -p "$(dirname "$dist")"
+rm -rf "$dist"
+# Hardlinks when the venv is on the same file system (no 11 GB copy), a copy otherwise.
+cp -al "$site" "$dist" 2>/dev/null || { rm -rf "$dist"; cp -a "$site" "$dist"; }
+# Not part of the official image: hsdump itself (editable install), the venv's own pip.
+rm -rf "$dist"/hsdump* "$dist"/__editable__*hsdump* "$dist"/pip "$dist"/pip-*.dist-info
+mkdir -p "$root/sgl-workspace"
+
+echo "importing $TAG (sglang $sglang_version, python $pyver)"
+tar -C "$root" -c . | "$ENGINE" import \
+  -c 'WORKDIR /sgl-workspace' \
+  -c 'CMD ["/bin/bash"]' \
+  -c "LABEL org.opencontainers.image.title=\"test-only CPU stand-in of lmsysorg/sglang\" \
+org.opencontainers.image.version=\"$sglang_version\"" \
+  - "$TAG"
+rm -rf "$root"

