@@ -17,6 +17,8 @@ import pytest
 
 from tests.harness import server as srv
 
+pytest_plugins = ["tests.fixtures_image"]
+
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 # Small chunks so ordinary test prompts are split across several prefill forwards.
 CHUNK = 32
