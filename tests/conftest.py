@@ -8,6 +8,7 @@ the module that needs them.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -73,13 +74,19 @@ def start_dump_server(tmp: Path, model: Path, name: str, *, args: list[str] = ()
     return DumpServer(server, dump_dir, model)
 
 
-def _dump_server(tmp_path_factory, tiny_models: Path, model: str) -> Iterator[DumpServer]:
-    tmp = tmp_path_factory.mktemp(f"{model}-server")
+# The drafter layer ids the DeepSeek server is configured with, through a drafter config for
+# the patch and --return-aux-hidden-state-layer-ids for SGLang's own capture: both must resolve
+# them with DeepSeek's convention (first id 1: every id + 1 -> capture before layers 2, 4, 6).
+DEEPSEEK_DRAFT_IDS = [1, 3, 5]
+
+
+def _dump_server(tmp: Path, model: Path, name: str, *, args: list[str] = (),
+                 env: dict[str, str] | None = None) -> Iterator[DumpServer]:
     s = start_dump_server(
-        tmp, tiny_models / model, model,
+        tmp, model, name,
         args=["--chunked-prefill-size", str(CHUNK), "--enable-return-aux-hidden-states",
-              "--speculative-algorithm", "EAGLE3"],
-        env={"SGLANG_HS_DUMP_FINAL": "1"},
+              "--speculative-algorithm", "EAGLE3", *args],
+        env={"SGLANG_HS_DUMP_FINAL": "1", **(env or {})},
     )
     yield s
     s.server.stop()
@@ -89,10 +96,20 @@ def _dump_server(tmp_path_factory, tiny_models: Path, model: str) -> Iterator[Du
 def llama_server(tmp_path_factory, tiny_models) -> Iterator[DumpServer]:
     """Tiny Llama, dump on (auto layers + final state), chunked prefill of CHUNK tokens, and
     SGLang's own aux capture on (``return_hidden_states`` returns the EAGLE-3 layers)."""
-    yield from _dump_server(tmp_path_factory, tiny_models, "tiny-llama")
+    tmp = tmp_path_factory.mktemp("llama-server")
+    yield from _dump_server(tmp, tiny_models / "tiny-llama", "tiny-llama")
 
 
 @pytest.fixture(scope="session")
 def deepseek_server(tmp_path_factory, tiny_models) -> Iterator[DumpServer]:
-    """Tiny DeepSeek-V3 (MLA + MoE), configured like ``llama_server``."""
-    yield from _dump_server(tmp_path_factory, tiny_models, "tiny-deepseek-v3")
+    """Tiny DeepSeek-V3 (MLA + MoE), configured like ``llama_server`` but with 'auto' layers
+    taken from a drafter config (``DEEPSEEK_DRAFT_IDS``)."""
+    tmp = tmp_path_factory.mktemp("deepseek-server")
+    draft = tmp / "draft-config.json"
+    draft.write_text(json.dumps({"eagle_config": {"eagle_aux_hidden_state_layer_ids":
+                                                  DEEPSEEK_DRAFT_IDS}}))
+    yield from _dump_server(
+        tmp, tiny_models / "tiny-deepseek-v3", "tiny-deepseek-v3",
+        args=["--return-aux-hidden-state-layer-ids", *map(str, DEEPSEEK_DRAFT_IDS)],
+        env={"SGLANG_HS_DUMP_DRAFT_CONFIG": str(draft)},
+    )

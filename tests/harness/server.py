@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -14,9 +15,10 @@ from pathlib import Path
 import requests
 
 CPU_SHIM = Path(__file__).resolve().parent / "cpu_shim"
-# What every CPU test server needs; the capture patch requires the last two.
-BASE_ARGS = ["--device", "cpu", "--max-total-tokens", "8192", "--host", "127.0.0.1",
-             "--disable-cuda-graph", "--disable-radix-cache"]
+# What every CPU test server needs.
+CPU_ARGS = ["--device", "cpu", "--max-total-tokens", "8192", "--host", "127.0.0.1"]
+# What the capture patch requires.
+EXTRACTION_ARGS = ["--disable-cuda-graph", "--disable-radix-cache"]
 
 
 def free_port() -> int:
@@ -65,18 +67,24 @@ class Server:
     def stop(self) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+        _kill_group(self.proc)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Kill whatever is left of a server's process group (spawned schedulers included)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 def launch(model: Path, log_path: Path, *, args: list[str] = (), env: dict[str, str] | None = None,
-           tp: int = 1, python: str = sys.executable) -> subprocess.Popen:
+           tp: int = 1, extraction_args: list[str] = EXTRACTION_ARGS,
+           python: str = sys.executable) -> subprocess.Popen:
     """Start a server process without waiting for it (see :func:`start`)."""
-    cmd = [python, "-m", "sglang.launch_server", "--model-path", str(model), *BASE_ARGS,
-           "--tp-size", str(tp), *args]
+    cmd = [python, "-m", "sglang.launch_server", "--model-path", str(model), *CPU_ARGS,
+           *extraction_args, "--tp-size", str(tp), *args]
     log = open(log_path, "w")  # noqa: SIM115 - owned by the child process
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=cpu_env(env, tp),
                             start_new_session=True)
@@ -105,13 +113,13 @@ def start(model: Path, log_path: Path, *, args: list[str] = (), env: dict[str, s
 
 def run_until_exit(model: Path, log_path: Path, *, args: list[str] = (),
                    env: dict[str, str] | None = None, tp: int = 1,
+                   extraction_args: list[str] = EXTRACTION_ARGS,
                    timeout: float = 240) -> tuple[int, str]:
     """Start a server expected to fail at start-up; return (exit code, log)."""
-    proc = launch(model, log_path, args=["--port", str(free_port()), *args], env=env, tp=tp)
+    proc = launch(model, log_path, args=["--port", str(free_port()), *args], env=env, tp=tp,
+                  extraction_args=extraction_args)
     try:
         rc = proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        raise
+    finally:
+        _kill_group(proc)
     return rc, log_path.read_text(errors="replace")
