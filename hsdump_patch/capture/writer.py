@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from hsdump_patch import protocol
@@ -46,13 +47,13 @@ class _RidState:
     tokens: int = 0
     prompt_len: int | None = None  # set when the last chunk has been submitted
     error: str | None = None
-    error_written: bool = False
+    marker_written: bool = False  # done, or the first error (a later error changes nothing)
 
 
 @dataclass
 class _Page:
     tensor: torch.Tensor  # uint8 [page_bytes], pinned on CUDA
-    view: memoryview  # the same bytes, for pwrite
+    array: np.ndarray  # the same bytes, for host-side copies and pwrite
 
 
 @dataclass
@@ -271,7 +272,7 @@ class DumpWriter:
 
     def _new_page(self) -> _Page:
         t = torch.empty(self.page_bytes, dtype=torch.uint8, pin_memory=self._cuda)
-        return _Page(t, memoryview(t.numpy()))
+        return _Page(t, t.numpy())
 
     def _release(self, pages: list[_Page]) -> None:
         with self._cond:
@@ -288,31 +289,32 @@ class DumpWriter:
         self, header: bytes, tensors: list[torch.Tensor], pages: list[_Page]
     ) -> torch.cuda.Event | None:
         """Copy header + raw tensor bytes back to back into ``pages``."""
-        src = torch.frombuffer(bytearray(header), dtype=torch.uint8)
-        for i, off, lo, n in _spans(0, len(header), self.page_bytes):
-            pages[i].tensor[off : off + n].copy_(src[lo : lo + n])
+        self._copy_host(pages, np.frombuffer(header, dtype=np.uint8), 0)
         flats = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+        pos = len(header)
         if not self._cuda:
-            self._copy_into(pages, flats, len(header), non_blocking=False)
+            # numpy, not torch: a plain memcpy, without the intra-op thread pool's latency.
+            for flat in flats:
+                pos = self._copy_host(pages, flat.numpy(), pos)
             return None
         assert self._side_stream is not None
         self._side_stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self._side_stream):
-            self._copy_into(pages, flats, len(header), non_blocking=True)
+            for flat in flats:
+                for i, off, lo, n in _spans(pos, flat.numel(), self.page_bytes):
+                    pages[i].tensor[off : off + n].copy_(flat[lo : lo + n], non_blocking=True)
+                pos += flat.numel()
             ready = torch.cuda.Event()
             ready.record(self._side_stream)
         for f in flats:  # the caller may free them now: their memory waits for the copy
             f.record_stream(self._side_stream)
         return ready
 
-    def _copy_into(
-        self, pages: list[_Page], flats: list[torch.Tensor], start: int, *, non_blocking: bool
-    ) -> None:
-        pos = start
-        for flat in flats:
-            for i, off, lo, n in _spans(pos, flat.numel(), self.page_bytes):
-                pages[i].tensor[off : off + n].copy_(flat[lo : lo + n], non_blocking=non_blocking)
-            pos += flat.numel()
+    def _copy_host(self, pages: list[_Page], src: np.ndarray, start: int) -> int:
+        """Copy host bytes ``src`` to stream offset ``start``; return the offset after them."""
+        for i, off, lo, n in _spans(start, len(src), self.page_bytes):
+            pages[i].array[off : off + n] = src[lo : lo + n]
+        return start + len(src)
 
     def _worker(self) -> None:
         while True:
@@ -344,7 +346,7 @@ class DumpWriter:
             fd = job.fd
         start = index * self.page_bytes
         n = min(self.page_bytes, job.nbytes - start)
-        _pwrite_all(fd, job.pages[index].view[:n], start)
+        _pwrite_all(fd, memoryview(job.pages[index].array[:n]), start)
 
     def _finish_file(self, job: _FileJob) -> None:
         try:
@@ -405,20 +407,20 @@ class DumpWriter:
         self._maybe_finish(rid, state)
 
     def _maybe_finish(self, rid: str, state: _RidState) -> None:
+        """Write the done or error marker once nothing of the request is outstanding."""
         with self._cond:
-            if state.outstanding:
+            if state.outstanding or state.marker_written:
                 return
             complete = state.prompt_len is not None
-            if complete:
-                self._rids.pop(rid, None)
             if state.error is not None:
-                if state.error_written:
-                    return
-                state.error_written = True
+                # The state stays (LRU-bounded), so that a late chunk of the rid is dropped.
+                state.marker_written = True
                 payload = {"rid": rid, "reason": state.error, "chunks": sorted(state.chunks)}
                 self.stats.requests_failed += 1
                 marker = protocol.ERROR_MARKER
             elif complete:
+                state.marker_written = True
+                self._rids.pop(rid, None)
                 payload = {"rid": rid, "prompt_len": state.prompt_len, "tokens": state.tokens,
                            "chunks": sorted(state.chunks)}
                 self.stats.requests_done += 1

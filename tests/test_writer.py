@@ -1,0 +1,274 @@
+"""The capture writer on CPU: files, markers, modes, the in-flight cap and failures.
+
+Real files in a temp dir, the real writer threads; no server. The tensors handed to
+``submit`` are row slices of a packed ``[T, S, H]`` buffer, as the capture hook passes them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from hsdump_patch import protocol
+from hsdump_patch.capture.writer import DumpWriter
+
+SLOTS, HIDDEN = 4, 64
+CPU = torch.device("cpu")
+
+
+def _meta(rid: str, prefix_len: int) -> protocol.ChunkMeta:
+    return protocol.ChunkMeta(rid=rid, prefix_len=prefix_len, layers=(2, 30, 58), has_final=True,
+                              model="tiny", tp_size=1, sglang_version="0.5.23",
+                              hsdump_version="test")
+
+
+def _batch(n: int, seed: int, hidden: int = HIDDEN) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    hs = torch.randn(n, SLOTS, hidden, generator=g).to(torch.bfloat16)
+    ids = torch.randint(0, 32000, (n,), generator=g)
+    return hs, ids, torch.arange(n)
+
+
+def _tensors(batch: tuple[torch.Tensor, ...], a: int, b: int) -> list[tuple[str, torch.Tensor]]:
+    hs, ids, pos = batch
+    return [(protocol.HIDDEN_KEY, hs[a:b]), (protocol.INPUT_IDS_KEY, ids[a:b]),
+            (protocol.POSITIONS_KEY, pos[a:b])]
+
+
+@pytest.fixture
+def dump_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "dump"
+    protocol.make_private_dir(d)
+    return d
+
+
+def _writer(dump_dir: Path, cap: int = 1 << 20, threads: int = 4, min_free: int = 0) -> DumpWriter:
+    return DumpWriter(dump_dir, max_inflight_bytes=cap, min_free_bytes=min_free, threads=threads,
+                      device=CPU)
+
+
+def _temp_files(root: Path) -> list[Path]:
+    return [p for p in root.rglob(".*")]
+
+
+def _error(dump_dir: Path, rid: str) -> dict:
+    status = protocol.request_status(dump_dir, rid)
+    assert status.done is None and status.error is not None
+    return status.error
+
+
+def test_chunks_are_safetensors_with_exact_bytes_and_private_modes(dump_dir: Path) -> None:
+    batch = _batch(500, seed=0, hidden=256)
+    # 3 chunks of one request; the middle one (~460 KB) spans several 64 KiB pages/threads.
+    bounds = [(0, 40), (40, 340), (340, 347)]
+    w = _writer(dump_dir)
+    assert w.page_bytes == 64 << 10
+    expected = {a: [(k, t.clone()) for k, t in _tensors(batch, a, b)] for a, b in bounds}
+    for a, b in bounds:
+        w.submit(_meta("hsdump-r1", a), _tensors(batch, a, b),
+                 prompt_len=347 if b == 347 else None)
+    batch[0].zero_()  # the caller reuses its buffer at once: the files keep the submitted data
+    assert w.flush(timeout=30)
+
+    d = protocol.rid_dir(dump_dir, "hsdump-r1")
+    assert stat.S_IMODE(d.stat().st_mode) == 0o700
+    chunks = protocol.list_chunks(dump_dir, "hsdump-r1")
+    assert [p for p, _ in chunks] == [0, 40, 340]
+    for prefix_len, path in chunks:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        loaded = load_file(path)
+        assert set(loaded) == {k for k, _ in expected[prefix_len]}
+        for key, ref in expected[prefix_len]:
+            assert loaded[key].dtype == ref.dtype and torch.equal(loaded[key], ref), key
+        with safe_open(path, "pt") as f:
+            meta = protocol.ChunkMeta.from_strings(f.metadata())
+        assert meta == _meta("hsdump-r1", prefix_len)
+    done = protocol.request_status(dump_dir, "hsdump-r1").done
+    assert done == {"rid": "hsdump-r1", "prompt_len": 347, "tokens": 347, "chunks": [0, 40, 340]}
+    assert stat.S_IMODE((d / protocol.DONE_MARKER).stat().st_mode) == 0o600
+    protocol.check_coverage(((p, len(load_file(f)[protocol.INPUT_IDS_KEY])) for p, f in chunks),
+                            done["prompt_len"])
+    assert _temp_files(dump_dir) == []
+    w.close()
+    assert w.stats.chunks_written == 3 and w.stats.requests_done == 1
+    assert w.stats.internal_errors == 0 and w.stats.staging_bytes == 0
+
+
+def test_done_marker_only_after_every_chunk(dump_dir: Path) -> None:
+    w = _writer(dump_dir, cap=4 << 20, threads=4)
+    batch = _batch(64, seed=1)
+    w.submit(_meta("hsdump-a", 0), _tensors(batch, 0, 30), prompt_len=None)
+    w.submit(_meta("hsdump-a", 30), _tensors(batch, 30, 60), prompt_len=None)
+    assert w.flush(timeout=30)
+    assert len(protocol.list_chunks(dump_dir, "hsdump-a")) == 2
+    assert not protocol.request_status(dump_dir, "hsdump-a").finished
+
+    # Many requests of several chunks, big chunks first: a watcher checks that whenever a done
+    # marker is visible, every chunk it lists is already complete on disk.
+    seen_bad: list[str] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            for rid_dir in dump_dir.iterdir():
+                try:
+                    done = json.loads((rid_dir / protocol.DONE_MARKER).read_text())
+                except (FileNotFoundError, NotADirectoryError):
+                    continue
+                names = set(os.listdir(rid_dir))
+                missing = [c for c in done["chunks"] if protocol.chunk_filename(c) not in names]
+                if missing:
+                    seen_bad.append(f"{rid_dir.name}: {missing}")
+            time.sleep(0.001)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    big = _batch(3000, seed=2)
+    for r in range(12):
+        rid = f"hsdump-m{r}"
+        w.submit(_meta(rid, 0), _tensors(big, 0, 2000), prompt_len=None)
+        w.submit(_meta(rid, 2000), _tensors(big, 2000, 2990), prompt_len=None)
+        w.submit(_meta(rid, 2990), _tensors(big, 2990, 3000), prompt_len=3000)
+    w.submit(_meta("hsdump-a", 60), _tensors(batch, 60, 64), prompt_len=64)
+    assert w.flush(timeout=60)
+    stop.set()
+    watcher.join()
+    w.close()
+    assert seen_bad == []
+    for r in range(12):
+        done = protocol.request_status(dump_dir, f"hsdump-m{r}").done
+        assert done is not None and done["chunks"] == [0, 2000, 2990] and done["tokens"] == 3000
+    assert protocol.request_status(dump_dir, "hsdump-a").done["chunks"] == [0, 30, 60]
+    assert w.stats.requests_done == 13 and w.stats.chunks_written == 39
+    assert _temp_files(dump_dir) == []
+
+
+def test_cap_blocks_the_submitting_thread(dump_dir: Path) -> None:
+    # Each chunk needs ~2/3 of the cap, so at most one is in flight: when submit(i) returns,
+    # chunk i-1 has been written (its pages were released only after the rename).
+    hidden = 4096
+    n = 64  # 64 * 4 * 4096 * 2 B = 2 MiB per chunk
+    w = _writer(dump_dir, cap=3 << 20, threads=1)
+    batch = _batch(n * 12, seed=3, hidden=hidden)
+    for i in range(12):
+        w.submit(_meta(f"hsdump-c{i}", 0), _tensors(batch, i * n, (i + 1) * n), prompt_len=n)
+        assert w.inflight_bytes <= 3 << 20
+        if i:
+            assert protocol.list_chunks(dump_dir, f"hsdump-c{i - 1}"), i
+    w.close()
+    assert w.stats.forward_wait_s > 0
+    assert w.stats.peak_inflight_bytes <= 3 << 20
+    assert w.stats.requests_done == 12
+
+
+def test_memory_stays_bounded_by_the_cap(dump_dir: Path) -> None:
+    cap = 1 << 20
+    w = _writer(dump_dir, cap=cap, threads=3)
+    page = w.page_bytes
+    big = _batch(4000, seed=4)  # 4000 tokens = 2 MiB: larger than the cap
+    oversize = -(-(4000 * (SLOTS * HIDDEN * 2 + 16) + 4096) // page) * page  # bound, in pages
+    samples: list[tuple[int, int]] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            samples.append((w.inflight_bytes, w.stats.staging_bytes))
+            time.sleep(0.0002)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    g = torch.Generator().manual_seed(5)
+    for i in range(80):
+        if i == 40:
+            w.submit(_meta("hsdump-big", 0), _tensors(big, 0, 4000), prompt_len=4000)
+            continue
+        n = int(torch.randint(1, 1500, (1,), generator=g))
+        w.submit(_meta(f"hsdump-s{i}", 0), _tensors(big, 0, n), prompt_len=n)
+    assert w.flush(timeout=60)
+    after_flush = w.stats.staging_bytes
+    stop.set()
+    sampler.join()
+    w.close()
+
+    assert len(samples) > 100
+    over = [s for s in samples if s[0] > cap]
+    # Above the cap only while the oversize chunk is in flight, alone.
+    assert all(inflight <= oversize for inflight, _ in over)
+    assert max(staging for _, staging in samples) <= max(cap, oversize)
+    assert w.stats.peak_inflight_bytes <= oversize
+    assert after_flush <= cap  # the oversize chunk's extra pages were dropped
+    assert w.stats.staging_bytes == 0
+    assert w.stats.requests_done == 80 and w.stats.internal_errors == 0
+
+
+def test_free_space_guard_writes_an_error_marker_and_no_chunk(dump_dir: Path) -> None:
+    st = os.statvfs(dump_dir)
+    reserve = st.f_bavail * st.f_frsize + (1 << 30)  # more than the filesystem has free
+    w = _writer(dump_dir, min_free=reserve)
+    batch = _batch(32, seed=6)
+    w.submit(_meta("hsdump-full", 0), _tensors(batch, 0, 16), prompt_len=None)
+    w.submit(_meta("hsdump-full", 16), _tensors(batch, 16, 32), prompt_len=32)
+    assert w.flush(timeout=30)
+    w.close()
+    err = _error(dump_dir, "hsdump-full")
+    assert "not enough free space" in err["reason"]
+    assert "SGLANG_HS_DUMP_MIN_FREE_BYTES" in err["reason"]
+    assert protocol.list_chunks(dump_dir, "hsdump-full") == []
+    assert _temp_files(dump_dir) == []
+    assert w.stats.requests_failed == 1 and w.stats.chunks_written == 0
+
+
+def test_write_failure_gives_an_error_marker_and_never_raises(dump_dir: Path) -> None:
+    w = _writer(dump_dir)
+    batch = _batch(64, seed=7)
+    # The final name is taken by a directory: the rename fails after the data was written.
+    d = protocol.rid_dir(dump_dir, "hsdump-w1")
+    protocol.make_private_dir(d / protocol.chunk_filename(0))
+    w.submit(_meta("hsdump-w1", 0), _tensors(batch, 0, 32), prompt_len=None)
+    w.submit(_meta("hsdump-w1", 32), _tensors(batch, 32, 64), prompt_len=64)
+    # The request's directory is a file: neither chunks nor a marker can be written there.
+    protocol.rid_dir(dump_dir, "hsdump-w2").write_text("in the way")
+    w.submit(_meta("hsdump-w2", 0), _tensors(batch, 0, 64), prompt_len=64)
+    # An unsupported dtype is refused before any copy.
+    w.submit(_meta("hsdump-w3", 0), [(protocol.HIDDEN_KEY, torch.zeros(4, dtype=torch.bool))], 4)
+    # Later requests are unaffected.
+    w.submit(_meta("hsdump-ok", 0), _tensors(batch, 0, 64), prompt_len=64)
+    assert w.flush(timeout=30)
+    w.close()
+
+    err = _error(dump_dir, "hsdump-w1")
+    # Chunk 32 is written or dropped, depending on whether chunk 0 had failed when it came.
+    assert "writing chunk 0 failed" in err["reason"] and err["chunks"][0] == 0
+    assert not (d / protocol.chunk_filename(0)).is_file()
+    assert "not supported" in _error(dump_dir, "hsdump-w3")["reason"]
+    assert protocol.rid_dir(dump_dir, "hsdump-w2").read_text() == "in the way"
+    assert protocol.request_status(dump_dir, "hsdump-ok").done is not None
+    assert w.stats.chunks_failed == 2  # w1's first chunk and w2's chunk
+    assert w.stats.requests_failed == 3
+    assert w.stats.internal_errors == 2  # w2's marker could not be written; w3's dtype
+    assert _temp_files(dump_dir) == []
+
+
+def test_fail_request_and_submit_after_close(dump_dir: Path) -> None:
+    w = _writer(dump_dir)
+    batch = _batch(16, seed=8)
+    w.submit(_meta("hsdump-f", 0), _tensors(batch, 0, 8), prompt_len=None)
+    w.fail_request("hsdump-f", "aborted by the client", prompt_len=16)
+    w.submit(_meta("hsdump-f", 8), _tensors(batch, 8, 16), prompt_len=16)  # dropped
+    assert w.flush(timeout=30)
+    err = _error(dump_dir, "hsdump-f")
+    assert err["reason"] == "aborted by the client" and err["chunks"] == [0]
+    assert [p for p, _ in protocol.list_chunks(dump_dir, "hsdump-f")] == [0]
+    w.close()
+    w.submit(_meta("hsdump-late", 0), _tensors(batch, 0, 16), prompt_len=16)
+    assert "shut down" in _error(dump_dir, "hsdump-late")["reason"]
+    assert w.stats.requests_failed == 2
