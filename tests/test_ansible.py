@@ -22,13 +22,14 @@ from pathlib import Path
 
 import pytest
 import requests
+import torch
 import yaml
 
 from tests.conftest import require
 from tests.harness.server import CPU_SHIM, free_port
 
 try:  # the image helper's fixtures (a running engine; the test image built on a CPU base)
-    from tests.fixtures_image import docker_engine, hsdump_image  # noqa: F401
+    from tests.fixtures_image import docker_engine, hsdump_image
 except ImportError:  # pragma: no cover - until tests/fixtures_image.py lands
 
     @pytest.fixture(scope="session")
@@ -80,7 +81,8 @@ class Ansible:
     tmp: Path
 
     def playbook(self, playbook: str | Path, inventory: Path, *, extra: dict | None = None,
-                 check: bool = False, tags: str | None = None, timeout: float = 1500) -> Run:
+                 check: bool = False, tags: str | None = None, path_prepend: Path | None = None,
+                 timeout: float = 1500) -> Run:
         """Run ``ansible-playbook`` from ansible/ with the CPU-host vars plus ``extra``."""
         cmd = [str(self.bin / "ansible-playbook"), "-i", str(inventory), str(playbook),
                "-e", f"@{CPU_VARS}"]
@@ -95,6 +97,8 @@ class Ansible:
         env = dict(os.environ, ANSIBLE_NOCOLOR="1", ANSIBLE_FORCE_COLOR="0",
                    ANSIBLE_LOCAL_TEMP=str(self.tmp / "local"),
                    ANSIBLE_REMOTE_TEMP=str(self.tmp / "remote"))
+        if path_prepend:
+            env["PATH"] = f"{path_prepend}{os.pathsep}{env['PATH']}"
         r = subprocess.run(cmd, cwd=ANSIBLE_DIR, env=env, capture_output=True, text=True,
                            timeout=timeout)
         return Run(r.returncode, r.stdout + r.stderr)
@@ -178,8 +182,27 @@ def test_preflight_without_gpus_fails_clearly(ansible):
     assert run.rc != 0, run.output[-4000:]
     assert run.recap()["cpu-host"]["failed"] == 1
     flat = " ".join(run.output.split())
-    assert "No usable GPU on cpu-host: nvidia-smi is not installed (not on PATH)" in flat, run.output[-4000:]
+    assert "No usable GPU on cpu-host: nvidia-smi is not installed (not on PATH)" in flat, flat
     assert "set hsdump_gpu_checks=false and hsdump_gpu_mode=none" in flat
+
+
+def test_preflight_parses_gpus_and_rejects_an_old_driver(ansible, tmp_path):
+    # Stand-in for the driver's CLI only: prints what nvidia-smi prints for this query on an
+    # 8x RTX PRO 6000 host with a pre-CUDA-13 driver; the role's parsing and checks are real.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text("#!/bin/sh\n" + "".join(
+        f"echo '{i}, NVIDIA RTX PRO 6000 Blackwell Server Edition, 570.86.15, 97887'\n"
+        for i in range(8)))
+    smi.chmod(0o755)
+    run = ansible.playbook("deploy.yml", ONE_HOST, tags="preflight", path_prepend=bin_dir,
+                           extra={"hsdump_gpu_checks": True})
+    assert run.rc != 0
+    flat = " ".join(run.output.split())
+    assert "check the GPU count" in flat and "check the GPU model" in flat  # both passed
+    assert ("cpu-host runs NVIDIA driver 570.86.15; the CUDA 13 images need >= 580.65.06"
+            in flat), flat[-3000:]
 
 
 def test_shm_resized_persisted_and_idempotent(ansible, host_shm):
@@ -267,9 +290,11 @@ class TestDeploy:
         assert info["State"]["Running"]
         assert info["Image"] == deployment.image_id
         assert info["HostConfig"]["IpcMode"] == "host"
-        port = f"{v['hsdump_server_port']}/tcp"
-        assert info["HostConfig"]["PortBindings"][port] == [
-            {"HostIp": "127.0.0.1", "HostPort": str(v["hsdump_server_port"])}]
+        assert info["HostConfig"]["NetworkMode"] == "host"
+        listening = subprocess.run(["ss", "-ltnH", f"sport = :{v['hsdump_server_port']}"],
+                                   check=True, capture_output=True, text=True).stdout.split()
+        assert f"127.0.0.1:{v['hsdump_server_port']}" in listening  # loopback only
+        assert not any(a.startswith(("0.0.0.0:", "*:", "[::]:")) for a in listening)
         mounts = {m["Destination"]: m for m in info["Mounts"]}
         assert mounts[SHIM_MOUNT]["RW"] is False and mounts["/model"]["RW"] is False
         assert requests.get(f"http://127.0.0.1:{v['hsdump_server_port']}/ready",
@@ -303,8 +328,6 @@ class TestDeploy:
         run = ansible.playbook("extract.yml", TWO_HOSTS,
                                extra={**deployment.vars, "hsdump_extract_dataset": str(dataset)})
         run.assert_ok("extract.yml")
-        import torch
-
         base = Path(deployment.vars["hsdump_output_dir"]) / "extract"
         shards = sorted(base.glob("shard-*-of-2"))
         assert [s.name for s in shards] == ["shard-0-of-2", "shard-1-of-2"]

@@ -1,6 +1,6 @@
 """All-reduce check for hsdump_smoke: every rank sums a buffer; the result must be exact.
 
-Run with torchrun: ``torchrun --nproc-per-node N allreduce_check.py --backend nccl --mib 64``.
+Run with ``python3 -m torch.distributed.run --standalone --nproc-per-node N allreduce_check.py --backend nccl --mib 64``.
 Prints one JSON line from rank 0 (size, time, bus bandwidth); exits non-zero on a wrong sum.
 A hang here (killed by the timeout) is the PCIe P2P/IOMMU problem of docs/operations.md.
 """
