@@ -33,6 +33,24 @@ def wait_for_marker(dump_dir: Path, rid: str, timeout: float) -> protocol.Reques
         delay = min(delay * 2, 0.05)
 
 
+def wait_until_settled(dump_dir: Path, rid: str, quiet: float, timeout: float) -> None:
+    """Wait until a request's directory is final: it has a marker, is gone, or nothing in it
+    changed for ``quiet`` seconds (an aborted request never gets a marker); at most ``timeout``.
+    """
+    d = protocol.rid_dir(dump_dir, rid)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if protocol.request_status(dump_dir, rid).finished:
+            return
+        try:
+            age = time.time() - d.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age >= quiet:
+            return
+        time.sleep(min(0.2, quiet - age))
+
+
 def read_request(dump_dir: Path, rid: str, input_ids: list[int], info: protocol.ServerInfo,
                  builder: RecordBuilder) -> int:
     """Copy a finished request's chunks into ``builder``; return the number of chunks."""

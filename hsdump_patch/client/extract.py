@@ -50,6 +50,7 @@ DEFAULT_MAX_INFLIGHT = "8GiB"
 DEFAULT_MIN_FREE = "2GiB"
 DEFAULT_MAX_CONSECUTIVE_ERRORS = 20
 _MAX_BACKOFF = 30.0
+STALE_QUIET_S = 5.0
 
 
 class ServerDown(RuntimeError):
@@ -176,9 +177,15 @@ class Extraction:
         return self.info.rid_prefix + sample_id
 
     def _clear_stale(self, rid: str) -> None:
-        """Remove a directory an earlier (killed) run left for this rid, once it is final."""
+        """Remove a directory an earlier (killed) run left for this rid, once it is final.
+
+        SGLang aborts the requests of a client that disconnects (kill -9), and an aborted
+        request never gets a marker: a directory quiet for STALE_QUIET_S seconds is final too.
+        A request that is really still running is refused as a duplicate rid by the server,
+        and ``_send`` comes back here after a pause.
+        """
         if protocol.rid_dir(self.s.dump_dir, rid).exists():
-            assemble.wait_for_marker(self.s.dump_dir, rid, self.s.dump_timeout)
+            assemble.wait_until_settled(self.s.dump_dir, rid, STALE_QUIET_S, self.s.dump_timeout)
             assemble.remove_request(self.s.dump_dir, rid)
 
     def _send(self, rid: str, input_ids: list[int]) -> dict[str, Any]:

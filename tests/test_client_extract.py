@@ -1,0 +1,301 @@
+"""``hsdump extract`` and ``hsdump smoke`` against real CPU SGLang servers with the patch.
+
+The records are compared with an independent HF transformers forward of the same tokens; the
+robustness tests kill the client, shard the dataset, feed it bad rows and point it at servers
+that are down or that reuse cached tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.parse
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hsdump_patch import protocol
+from hsdump_patch.cli import main as cli
+from hsdump_patch.client import records
+from hsdump_patch.client.assemble import wait_for_marker
+from tests.harness import server as srv
+from tests.test_client_dataset import CONV, openai_row, reference, sharegpt_row, write_jsonl
+
+pytestmark = pytest.mark.server
+REPO = Path(__file__).resolve().parents[1]
+# ||record - HF|| / ||HF|| per layer: SGLang's CPU kernels and HF's eager bf16 path round
+# differently (measured up to ~4e-3 on the tiny Llama).
+REL_TOL = 2e-2
+LONG = " ".join(["Hidden states from decoder layers are dumped to shared memory."] * 12)
+
+
+def pre_tokenized(n: int, seed: int, lo: int = 20, hi: int = 150, prefix: str = "p"):
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        length = rng.randint(lo, hi)
+        ids = [rng.randint(10, 1000) for _ in range(length)]
+        rows.append({"id": f"{prefix}{i}", "input_ids": ids,
+                     "loss_mask": [0] * (length // 3) + [1] * (length - length // 3)})
+    return rows
+
+
+def extract(server, dataset: Path, out: Path, *extra: str) -> int:
+    return cli(["extract", "--server", server.url, "--dump-dir", str(server.dump_dir),
+                "--dataset", str(dataset), "--out", str(out), "--no-progress", *extra])
+
+
+def read_report(out: Path, shard: str = "shard-0-of-1") -> dict:
+    return json.loads((out / f"report.{shard}.json").read_text())
+
+
+def rid_dirs(server, ids) -> list[str]:
+    names = {protocol.rid_dirname("hsdump-" + i) for i in ids}
+    return sorted(set(os.listdir(server.dump_dir)) & names)
+
+
+def record_files(out: Path) -> list[str]:
+    return sorted(p.name for p in out.glob("*.pt"))
+
+
+def hf_reference(model, ids: list[int]) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """HF ``output_hidden_states`` (index i = input of layer i) and the post-norm final state."""
+    with torch.no_grad():
+        out = model.model(torch.tensor([ids]), output_hidden_states=True)
+    return tuple(h[0] for h in out.hidden_states), out.last_hidden_state[0]
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+@pytest.fixture(params=["llama_server", "deepseek_server"])
+def dump_server(request):
+    return request.getfixturevalue(request.param)
+
+
+@pytest.fixture(scope="module")
+def hf_models():
+    from transformers import AutoModelForCausalLM
+
+    cache = {}
+
+    def get(path: Path):
+        if path not in cache:
+            cache[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+        return cache[path]
+
+    return get
+
+
+def test_records_equal_hf_reference_in_both_formats_at_16_way_concurrency(
+        tmp_path, dump_server, hf_models):
+    """Both chat shapes (multi-turn), a prompt spanning many prefill chunks and pre-tokenized
+    rows, 16 requests in flight; every hidden state equals HF's at the announced layers."""
+    from transformers import AutoTokenizer
+
+    rows = [openai_row(CONV, id="openai"), sharegpt_row(CONV, id="sharegpt"),
+            openai_row([("user", LONG), ("assistant", LONG)], id="long"),
+            *pre_tokenized(29, seed=1)]
+    dataset = write_jsonl(tmp_path / "d.jsonl", rows)
+    info = protocol.read_server_info(dump_server.dump_dir)
+    tok = AutoTokenizer.from_pretrained(dump_server.model)
+    model = hf_models(dump_server.model)
+    worst = 0.0
+    for fmt in records.FORMATS:
+        out = tmp_path / fmt
+        assert extract(dump_server, dataset, out, "--format", fmt, "--concurrency", "16") == 0
+        rep = read_report(out)
+        assert (rep["ok"], rep["failed"], rep["skipped"]) == (len(rows), 0, 0)
+        assert rep["max_chunks"] >= 8  # "long" went through chunked prefill
+        assert record_files(out) == sorted(f"{r['id']}.pt" for r in rows)
+        assert rid_dirs(dump_server, [r["id"] for r in rows]) == []
+        meta = json.loads((out / records.META_FILE).read_text())
+        assert (meta["format"], meta["layers"], meta["has_final"]) == (fmt, list(info.layers), True)
+        for row in rows:
+            rec = torch.load(out / f"{row['id']}.pt", weights_only=True)
+            if "input_ids" in row:
+                ids, mask = row["input_ids"], row["loss_mask"]
+            else:
+                turns = [(m["role"], m["content"]) for m in row["messages"]] if "messages" in row \
+                    else [({"human": "user", "gpt": "assistant"}.get(t["from"], t["from"]),
+                           t["value"]) for t in row["conversations"]]
+                ids, mask = reference(tok, turns)
+            assert rec["input_ids"].tolist() == ids
+            assert rec["loss_mask"].tolist() == mask
+            states, final = hf_reference(model, ids)
+            if fmt == "eagle3":
+                layers = rec["hidden_states"]
+                got_final = rec["final_hidden_state"]
+            else:
+                k_h = len(info.layers) * info.hidden_size
+                assert rec["aux_hidden_state"].shape == (len(ids), k_h)
+                layers = rec["aux_hidden_state"].split(info.hidden_size, dim=-1)
+                got_final = rec["hidden_state"]
+            assert len(layers) == len(info.layers)
+            for got, layer in zip(layers, info.layers, strict=True):
+                assert got.dtype == torch.bfloat16 and got.shape == (len(ids), info.hidden_size)
+                worst = max(worst, rel_err(got, states[layer]))
+            worst = max(worst, rel_err(got_final, final))
+    print(f"worst relative error vs HF: {worst:.2e}")
+    assert worst < REL_TOL
+
+
+def test_kill_9_mid_run_then_rerun_writes_every_sample_exactly_once(tmp_path, llama_server):
+    rows = pre_tokenized(40, seed=2, lo=100, hi=250, prefix="k")
+    dataset = write_jsonl(tmp_path / "d.jsonl", rows)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "hsdump_patch.cli", "extract", "--server", llama_server.url,
+           "--dump-dir", str(llama_server.dump_dir), "--dataset", str(dataset), "--out", str(out),
+           "--no-progress", "--concurrency", "8"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    manifest = out / "manifest.shard-0-of-1.jsonl"
+    deadline = time.monotonic() + 240
+    while not (manifest.exists() and manifest.read_text().count("\n") >= 3):
+        assert proc.poll() is None, proc.stderr.read().decode()
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    first = manifest.read_text().count("\n")
+    assert 3 <= first < len(rows), "the kill must land mid-run"
+
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rep = read_report(out)
+    assert rep["already_done"] + rep["ok"] == len(rows) and rep["already_done"] >= first
+    ids = [r["id"] for r in rows]
+    assert record_files(out) == sorted(f"{i}.pt" for i in ids)
+    assert [p for p in os.listdir(out) if ".tmp-" in p] == []
+    entries = [json.loads(x) for x in manifest.read_text().splitlines()]
+    assert sorted(e["id"] for e in entries) == sorted(ids)  # each exactly once
+    for row in rows:
+        rec = torch.load(out / f"{row['id']}.pt", weights_only=True)
+        assert rec["input_ids"].tolist() == row["input_ids"]
+    assert rid_dirs(llama_server, ids) == []
+
+
+def test_two_shards_cover_the_dataset_exactly_once_and_resume_skips(tmp_path, llama_server):
+    rows = pre_tokenized(12, seed=3, prefix="sh")
+    dataset = write_jsonl(tmp_path / "d.jsonl", rows)
+    out = tmp_path / "out"
+    assert extract(llama_server, dataset, out, "--shard", "0/2") == 0
+    assert extract(llama_server, dataset, out, "--shard", "1/2") == 0
+    reps = [read_report(out, f"shard-{i}-of-2") for i in range(2)]
+    assert reps[0]["ok"] + reps[1]["ok"] == len(rows) and min(r["ok"] for r in reps) > 0
+    assert record_files(out) == sorted(f"{r['id']}.pt" for r in rows)
+    manifests = [{json.loads(x)["id"] for x in (out / f"manifest.shard-{i}-of-2.jsonl")
+                  .read_text().splitlines()} for i in range(2)]
+    assert not manifests[0] & manifests[1]
+    assert manifests[0] | manifests[1] == {r["id"] for r in rows}
+    assert extract(llama_server, dataset, out) == 0  # unsharded rerun: nothing left to do
+    assert (read_report(out)["ok"], read_report(out)["already_done"]) == (0, len(rows))
+
+
+def test_bad_rows_are_skipped_or_stop_the_run_as_on_error_says(tmp_path, llama_server, capsys):
+    rows = [*pre_tokenized(3, seed=4, prefix="ok"), "{broken",
+            openai_row([("user", "no answer here")], id="nomask")]
+    dataset = write_jsonl(tmp_path / "d.jsonl", rows)
+    out = tmp_path / "skip"
+    assert extract(llama_server, dataset, out, "--on-error", "skip") == 3
+    rep = read_report(out)
+    assert (rep["ok"], rep["skipped"], rep["failed"], rep["stopped"]) == (3, 2, 0, None)
+    where = {i["where"]: i["reason"] for i in rep["issues"]}
+    assert "not valid JSON" in where[f"{dataset}:4"]
+    assert "loss mask is all zeros" in where[f"{dataset}:5"]
+    assert f"skipped: {dataset}:4: not valid JSON" in capsys.readouterr().out
+
+    out = tmp_path / "fail"
+    assert extract(llama_server, dataset, out, "--on-error", "fail", "--concurrency", "1") == 1
+    rep = read_report(out)
+    assert rep["stopped"].startswith(f"{dataset}:4: not valid JSON")
+    assert rep["ok"] == 0  # the bad line is found before any request is sent
+    assert "STOPPED" in capsys.readouterr().out
+
+
+def test_a_server_that_is_down_ends_the_run_with_a_clear_message(tmp_path, capsys):
+    dataset = write_jsonl(tmp_path / "d.jsonl", pre_tokenized(2, seed=5))
+    url = f"http://127.0.0.1:{srv.free_port()}"  # nothing listens there
+    t0 = time.monotonic()
+    rc = cli(["extract", "--server", url, "--dump-dir", str(tmp_path), "--dataset", str(dataset),
+              "--out", str(tmp_path / "out"), "--retries", "2", "--retry-wait", "0.05"])
+    assert rc == 1 and time.monotonic() - t0 < 30
+    err = capsys.readouterr().err
+    assert f"the server at {url} is unreachable: 3 attempts" in err
+    assert "check that it is running" in err
+
+
+def test_smoke_passes_against_a_running_server(tmp_path, llama_server):
+    report = tmp_path / "smoke.json"
+    r = subprocess.run([sys.executable, "-m", "hsdump_patch.cli", "smoke", "--server",
+                        llama_server.url, "--dump-dir", str(llama_server.dump_dir),
+                        "--report", str(report), "--no-progress"],
+                       cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.strip().splitlines()[-1].startswith("hsdump smoke: PASS")
+    verdict = json.loads(report.read_text())
+    checks = {c["check"]: c for c in verdict["checks"]}
+    assert verdict["passed"] and set(checks) == {
+        "server.json", "extraction", "records", "determinism", "dump dir clean"}
+    assert verdict["report"]["max_chunks"] > 1
+
+
+def test_smoke_fails_when_the_dump_dir_is_not_the_servers(tmp_path, llama_server):
+    stale = tmp_path / "dump"
+    stale.mkdir()
+    (stale / protocol.SERVER_INFO).write_bytes((llama_server.dump_dir / protocol.SERVER_INFO)
+                                               .read_bytes())
+    r = subprocess.run([sys.executable, "-m", "hsdump_patch.cli", "smoke", "--server",
+                        llama_server.url, "--dump-dir", str(stale), "--dump-timeout", "3",
+                        "--report", str(tmp_path / "r.json"), "--no-progress"],
+                       cwd=REPO, capture_output=True, text=True, timeout=600)
+    # The requests were dumped into the real dump dir, where nobody consumes them.
+    for d in llama_server.dump_dir.glob("hsdump-smoke-*"):
+        assert wait_for_marker(llama_server.dump_dir, urllib.parse.unquote(d.name), 30)
+        shutil.rmtree(d)
+    assert r.returncode == 1
+    assert "hsdump smoke: FAIL (extraction, records" in r.stdout
+    assert "no done/error marker" in r.stdout
+
+
+@pytest.fixture(scope="module")
+def radix_server(tmp_path_factory, tiny_models):
+    """Tiny Llama WITHOUT the capture patch and WITH SGLang's default radix cache."""
+    tmp = tmp_path_factory.mktemp("radix")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(srv, "BASE_ARGS", [a for a in srv.BASE_ARGS if a != "--disable-radix-cache"])
+        server = srv.start(tiny_models / "tiny-llama", tmp / "server.log")
+    yield server
+    server.stop()
+
+
+def test_cached_tokens_fail_the_sample(tmp_path, llama_server, radix_server):
+    """The real misconfiguration behind ``cached_tokens != 0``: ``--dump-dir`` holds the
+    server.json of a patched server, while ``--server`` is a plain server of the same model
+    with the radix cache on. The second identical prompt is served from the cache."""
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    (dump / protocol.SERVER_INFO).write_bytes(
+        (llama_server.dump_dir / protocol.SERVER_INFO).read_bytes())
+    plain = SimpleNamespace(url=radix_server.url, dump_dir=dump)
+    row = pre_tokenized(1, seed=6, lo=120, hi=120, prefix="c")[0]
+    dataset = write_jsonl(tmp_path / "d.jsonl", [row, {**row, "id": "again"}])
+    out = tmp_path / "out"
+    assert extract(plain, dataset, out, "--on-error", "skip", "--concurrency", "1",
+                   "--dump-timeout", "2") == 3
+    reasons = {i["id"]: i["reason"] for i in read_report(out)["issues"]}
+    assert "no done/error marker" in reasons["c0"]
+    assert "cached_tokens=" in reasons["again"] and "--disable-radix-cache" in reasons["again"]
+
+    dataset = write_jsonl(tmp_path / "d2.jsonl", [{**row, "id": "third"}])
+    assert extract(plain, dataset, tmp_path / "out2", "--on-error", "fail",
+                   "--dump-timeout", "2") == 1
+    assert "cached_tokens=" in read_report(tmp_path / "out2")["stopped"]
