@@ -353,10 +353,13 @@ def measure_writer(wl: Workload, root: Path, *, cap: int, threads: int, min_free
         staging_peak = w.stats.staging_bytes
         bytes0, wait0 = w.stats.bytes_written, w.stats.forward_wait_s
         keep = min(1, forwards - 1)
+        gc.collect()
+        sampler.rss_peak = _rss()
         t0 = time.perf_counter()
         stalls, kept = _drive(w, wl, forwards, tag, forward_s, keep=keep)
         w.flush()
         seconds = time.perf_counter() - t0
+        rss_peak = sampler.rss_peak  # before the read-back check loads files
         checked, errors = _verify(root, wl, tag, forwards, keep, kept)
         runs.append(WriterRun(
             stalls=stalls, bytes_written=w.stats.bytes_written - bytes0, seconds=seconds,
@@ -364,7 +367,7 @@ def measure_writer(wl: Workload, root: Path, *, cap: int, threads: int, min_free
             peak_inflight=w.stats.peak_inflight_bytes,
             # The pool grows only when it has no free page, so its peak is one of these.
             staging_peak=max(staging_peak, w.stats.peak_inflight_bytes),
-            rss_growth=sampler.rss_peak - sampler.base, page_bytes=w.page_bytes,
+            rss_growth=rss_peak - sampler.base, page_bytes=w.page_bytes,
             verified=checked, errors=errors))
         del kept
         _clear(root)

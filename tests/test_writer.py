@@ -153,8 +153,9 @@ def test_done_marker_only_after_every_chunk(dump_dir: Path) -> None:
 
 
 def test_cap_blocks_the_submitting_thread(dump_dir: Path) -> None:
-    # Each chunk needs ~2/3 of the cap, so at most one is in flight: when submit(i) returns,
-    # chunk i-1 has been written (its pages were released only after the rename).
+    # Each chunk needs ~2/3 of the cap and one thread writes them in order: when submit(i)
+    # returns, chunk i-2 has been written (it holds its last page until after the rename, and
+    # chunk i-1 cannot have started while it was unwritten).
     hidden = 4096
     n = 64  # 64 * 4 * 4096 * 2 B = 2 MiB per chunk
     w = _writer(dump_dir, cap=3 << 20, threads=1)
@@ -162,8 +163,8 @@ def test_cap_blocks_the_submitting_thread(dump_dir: Path) -> None:
     for i in range(12):
         w.submit(_meta(f"hsdump-c{i}", 0), _tensors(batch, i * n, (i + 1) * n), prompt_len=n)
         assert w.inflight_bytes <= 3 << 20
-        if i:
-            assert protocol.list_chunks(dump_dir, f"hsdump-c{i - 1}"), i
+        if i > 1:
+            assert protocol.list_chunks(dump_dir, f"hsdump-c{i - 2}"), i
     w.close()
     assert w.stats.forward_wait_s > 0
     assert w.stats.peak_inflight_bytes <= 3 << 20

@@ -2,9 +2,10 @@
 
 The forward thread calls :meth:`DumpWriter.submit`; it only copies the chunk into staging
 pages (on CUDA: enqueues device-to-host copies into pinned pages on a side stream) and
-returns. A pool of threads waits for each copy, writes each page into the chunk's temp file
-with ``pwrite`` (a large chunk is spread over all threads, since tmpfs write bandwidth scales
-with writers) and renames the file into place.
+returns. A pool of threads waits for each copy, writes the chunk's pages into its temp file
+with ``pwrite`` and renames the file into place. Each file is written by one thread: tmpfs
+bandwidth scales with threads writing different files, while writes to one file are serialized
+by the kernel, so several chunks (requests) are written at once instead.
 
 Memory is bounded by the in-flight cap: staging memory is a pool of fixed-size pages that never
 grows past ``max_inflight_bytes`` (a chunk larger than the cap goes through alone, and its extra
@@ -34,7 +35,7 @@ from hsdump_patch import protocol
 
 logger = logging.getLogger("hsdump")
 
-PAGE_BYTES = 8 << 20  # staging page = one pwrite task; 8 MiB keeps per-task overhead < 1%
+PAGE_BYTES = 8 << 20  # staging page = one pwrite; 8 MiB keeps per-call overhead < 1%
 _MIN_PAGE_BYTES = 4 << 10
 _MIN_PAGES_PER_CAP = 16  # a small cap gets smaller pages, so several chunks still overlap
 _MAX_TRACKED_RIDS = 100_000
@@ -65,10 +66,7 @@ class _FileJob:
     pages: list[_Page]  # page i holds bytes [i * page_bytes, (i + 1) * page_bytes) of the file
     nbytes: int
     ready: torch.cuda.Event | None  # D2H completion (CUDA only)
-    fd: int = -1
-    remaining: int = 0
-    failed: str | None = None
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    released: int = 0  # pages[:released] are written and back in the pool
 
 
 @dataclass
@@ -113,7 +111,7 @@ class DumpWriter:
         self._closed = False
         self._cond = threading.Condition()
         self._rids: OrderedDict[str, _RidState] = OrderedDict()
-        self._tasks: queue.SimpleQueue[tuple[_FileJob, int] | None] = queue.SimpleQueue()
+        self._tasks: queue.SimpleQueue[_FileJob | None] = queue.SimpleQueue()
         self._threads = [
             threading.Thread(target=self._worker, name=f"hsdump-writer-{i}", daemon=True)
             for i in range(max(1, threads))
@@ -165,7 +163,7 @@ class DumpWriter:
             ready = self._stage(header, [t for _, t in tensors], pages)
             final = protocol.rid_dir(self.dump_dir, rid) / protocol.chunk_filename(meta.prefix_len)
             job = _FileJob(rid, meta.prefix_len, final, protocol.temp_path(final), pages, nbytes,
-                           ready, remaining=len(pages))
+                           ready)
         except Exception as e:
             self._release(pages)
             self._internal_error(rid, state, prompt_len, f"cannot copy the chunk: {e!r}")
@@ -176,8 +174,7 @@ class DumpWriter:
             state.tokens += int(tensors[0][1].shape[0])
             if prompt_len is not None:
                 state.prompt_len = prompt_len
-        for i in range(len(pages)):
-            self._tasks.put((job, i))
+        self._tasks.put(job)
 
     def fail_request(self, rid: str, reason: str, prompt_len: int | None = None) -> None:
         """Mark a request as failed: an error marker replaces its done marker."""
@@ -318,56 +315,50 @@ class DumpWriter:
 
     def _worker(self) -> None:
         while True:
-            task = self._tasks.get()
-            if task is None:
+            job = self._tasks.get()
+            if job is None:
                 return
-            job, index = task
             try:
-                self._write_page(job, index)
-            except Exception as e:
-                with job.lock:
-                    job.failed = job.failed or f"{type(e).__name__}: {e}"
-            with job.lock:
-                job.remaining -= 1
-                last = job.remaining == 0
-            if last:
-                self._finish_file(job)
+                failure = self._write_file(job)
+                self._finish_request(job, failure)
+            except Exception:  # a bug here must not stop the thread or leak the pages
+                with self._cond:
+                    self.stats.internal_errors += 1
+                logger.exception("hsdump: internal error after writing %s", job.final)
+            finally:
+                # Last, so that flush() returning means the markers are written too.
+                self._release(job.pages[job.released :])
 
-    def _write_page(self, job: _FileJob, index: int) -> None:
-        with job.lock:
-            if job.failed:
-                return
-            if job.fd < 0:
-                if job.ready is not None:
-                    job.ready.synchronize()
-                protocol.make_private_dir(job.final.parent)
-                job.fd = os.open(job.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, protocol.FILE_MODE)
-                os.ftruncate(job.fd, job.nbytes)
-            fd = job.fd
-        start = index * self.page_bytes
-        n = min(self.page_bytes, job.nbytes - start)
-        _pwrite_all(fd, memoryview(job.pages[index].array[:n]), start)
+    def _write_file(self, job: _FileJob) -> str | None:
+        """Write one file, whole, from this thread; return None, or why it failed.
 
-    def _finish_file(self, job: _FileJob) -> None:
+        Writes to one file are serialized by the kernel (inode lock), so threads work on
+        different files rather than on parts of one. Written pages go back to the pool at once.
+        """
         try:
-            self._close_file(job)
-        finally:
-            # Last, so that flush() returning means the markers are written too.
-            self._release(job.pages)
-
-    def _close_file(self, job: _FileJob) -> None:
-        ok = False
-        try:
-            if job.fd >= 0:
-                os.close(job.fd)
-            if job.failed is None:
-                os.replace(job.tmp, job.final)
-                ok = True
-        except OSError as e:
-            job.failed = job.failed or f"{type(e).__name__}: {e}"
-        if not ok:
+            if job.ready is not None:
+                job.ready.synchronize()
+            protocol.make_private_dir(job.final.parent)
+            fd = os.open(job.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, protocol.FILE_MODE)
+            try:
+                for i, page in enumerate(job.pages):
+                    start = i * self.page_bytes
+                    n = min(self.page_bytes, job.nbytes - start)
+                    _pwrite_all(fd, memoryview(page.array[:n]), start)
+                    if i + 1 < len(job.pages):  # the last one is kept until the marker
+                        self._release([page])
+                        job.released = i + 1
+            finally:
+                os.close(fd)
+            os.replace(job.tmp, job.final)
+            return None
+        except Exception as e:  # OSError, or a CUDA error from the copy
             with contextlib.suppress(OSError):
                 job.tmp.unlink(missing_ok=True)
+            return f"{type(e).__name__}: {e}"
+
+    def _finish_request(self, job: _FileJob, failure: str | None) -> None:
+        ok = failure is None
         with self._cond:
             state = self._rids.get(job.rid)
             if ok:
@@ -379,9 +370,9 @@ class DumpWriter:
                 state.outstanding -= 1
                 if not ok:
                     state.error = state.error or (
-                        f"writing chunk {job.prefix_len} failed: {job.failed}")
+                        f"writing chunk {job.prefix_len} failed: {failure}")
         if not ok:
-            logger.error("hsdump: writing %s failed: %s", job.final, job.failed)
+            logger.error("hsdump: writing %s failed: %s", job.final, failure)
         if state is not None:
             self._maybe_finish(job.rid, state)
 
