@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,11 @@ from tests.harness import server as srv
 pytest_plugins = ["tests.fixtures_image"]
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+# The suite runs SGLang on CPU: in-process imports of SGLang's model code need the test-only
+# stand-in for the CUDA-only sgl_kernel too (servers get it through their environment).
+os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+sys.path.insert(0, str(srv.CPU_SHIM))
 # Small chunks so ordinary test prompts are split across several prefill forwards.
 CHUNK = 32
 

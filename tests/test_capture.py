@@ -57,7 +57,7 @@ def test_auto_layers_resolve_like_sglang_eagle3(served):
 
 @pytest.mark.parametrize("length", [20, 3 * CHUNK + 5])
 def test_dump_equals_hf_output_hidden_states(served, length):
-    name, s = served
+    _, s = served
     ids = prompt(length, length)
     rid = f"hsdump-hf-{length}"
     dump_prompt(s, rid, ids)

@@ -1,0 +1,129 @@
+"""The patch changes nothing the server returns, and its dumps do not depend on how the
+prompt was split (chunked prefill) or parallelised (tensor parallel 2).
+
+Servers here are started one at a time by fixtures that collect what the tests compare and
+stop each server before the next starts (tp 2 on CPU takes ~8 GB).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import CHUNK, DumpServer, start_dump_server
+from tests.harness.dumps import Dump, read_dump
+from tests.harness.reference import hf_hidden_states
+from tests.test_capture import prompt
+
+pytestmark = pytest.mark.server
+
+AUX_ARGS = ["--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3"]
+F32 = ["--dtype", "float32"]
+DUMP_PROMPTS = {f"hsdump-num-{n}": prompt(200 + n, n) for n in (20, 70, 3 * CHUNK + 1)}
+GEN_PROMPTS = {f"hsdump-gen-{n}": prompt(300 + n, n) for n in (12, 45)}
+# float32: SGLang's CPU kernels vs HF's eager ones, and tp2 partial sums vs tp1.
+F32_ATOL, F32_RTOL = 1e-4, 1e-4
+
+
+def generate_all(s: DumpServer) -> dict[str, dict]:
+    """Greedy 8 tokens with logprobs for GEN_PROMPTS (prefixed rids: their prefills are dumped)."""
+    out = {}
+    for rid, ids in GEN_PROMPTS.items():
+        r = s.server.generate(ids, rid=rid, max_new_tokens=8, return_logprob=True,
+                              top_logprobs_num=5, logprob_start_len=0)
+        out[rid] = {"output_ids": r["output_ids"],
+                    "output_token_logprobs": r["meta_info"]["output_token_logprobs"],
+                    "output_top_logprobs": r["meta_info"]["output_top_logprobs"],
+                    "input_token_logprobs": r["meta_info"]["input_token_logprobs"]}
+    return out
+
+
+def dump_all(s: DumpServer) -> dict[str, Dump]:
+    for rid, ids in DUMP_PROMPTS.items():
+        s.server.generate(ids, rid=rid)
+    return {rid: read_dump(s.dump_dir, rid) for rid in DUMP_PROMPTS}
+
+
+def run_server(tmp: Path, model: Path, name: str, collect, **kwargs):
+    s = start_dump_server(tmp, model, name, **kwargs)
+    try:
+        return collect(s)
+    finally:
+        s.server.stop()
+
+
+@pytest.fixture(scope="module")
+def bf16_on_off(llama_server, tmp_path_factory):
+    """Outputs of the shared dump-on Llama server and of the same configuration, dump off."""
+    tmp = tmp_path_factory.mktemp("onoff")
+    off = run_server(tmp, llama_server.model, "bf16-off", generate_all, dump=False,
+                     args=["--chunked-prefill-size", str(CHUNK), *AUX_ARGS])
+    on = generate_all(llama_server)
+    return on, off, llama_server
+
+
+def test_outputs_bitwise_identical_with_dump_on_and_off(bf16_on_off):
+    on, off, server = bf16_on_off
+    assert on == off  # token ids and every logprob, compared exactly
+    for rid in GEN_PROMPTS:  # and the dump-on server did dump these prefills
+        assert read_dump(server.dump_dir, rid).input_ids == GEN_PROMPTS[rid]
+
+
+@pytest.fixture(scope="module")
+def float32_runs(tiny_models, tmp_path_factory):
+    """float32 Llama: tp1 unchunked (dump on), tp2 chunked (dump on), tp2 chunked (dump off)."""
+    tmp = tmp_path_factory.mktemp("f32")
+    model = tiny_models / "tiny-llama"
+    chunked = ["--chunked-prefill-size", str(CHUNK), *F32]
+    tp1 = run_server(tmp, model, "tp1", dump_all, args=["--chunked-prefill-size", "-1", *F32])
+
+    def tp2_collect(s: DumpServer):
+        return dump_all(s), generate_all(s), s.server.log(), s.dump_dir
+
+    tp2_dumps, tp2_on, tp2_log, tp2_dir = run_server(tmp, model, "tp2", tp2_collect, tp=2,
+                                                     args=chunked)
+    tp2_off = run_server(tmp, model, "tp2-off", generate_all, tp=2, dump=False, args=chunked)
+    return {"model": model, "tp1": tp1, "tp2": tp2_dumps, "tp2_on": tp2_on,
+            "tp2_off": tp2_off, "tp2_log": tp2_log, "tp2_dir": tp2_dir}
+
+
+def test_float32_dump_equals_hf_tightly(float32_runs):
+    for rid, d in float32_runs["tp1"].items():
+        ref = hf_hidden_states(float32_runs["model"], DUMP_PROMPTS[rid], torch.float32)
+        assert d.hidden.dtype == torch.float32 and d.prefix_lens == [0]
+        layers = [int(x) for x in d.metas[0]["layers"].strip("[]").split(",")]
+        for slot, layer in enumerate(layers):
+            torch.testing.assert_close(d.hidden[:, slot], ref[layer], atol=F32_ATOL,
+                                       rtol=F32_RTOL)
+        torch.testing.assert_close(d.hidden[:, -1], ref[-1], atol=F32_ATOL, rtol=F32_RTOL)
+
+
+def test_chunks_assemble_to_the_unchunked_tp1_result(float32_runs):
+    for rid, unchunked in float32_runs["tp1"].items():
+        chunked = float32_runs["tp2"][rid]
+        n = len(DUMP_PROMPTS[rid])
+        assert chunked.prefix_lens == list(range(0, n, CHUNK))
+        assert chunked.input_ids == unchunked.input_ids == DUMP_PROMPTS[rid]
+        assert chunked.positions == unchunked.positions == list(range(n))
+        assert chunked.hidden.shape == unchunked.hidden.shape
+        torch.testing.assert_close(chunked.hidden, unchunked.hidden, atol=F32_ATOL,
+                                   rtol=F32_RTOL)
+        assert chunked.metas[0]["tp_size"] == "2"
+
+
+def test_tp2_writes_once_from_the_writer_rank(float32_runs):
+    log = float32_runs["tp2_log"]
+    assert log.count("; writer rank") == 1
+    assert log.count("; non-writer rank") == 1
+    # Exactly one file per chunk and nothing else (no temp files, no duplicates per rank).
+    for rid in DUMP_PROMPTS:
+        rdir = float32_runs["tp2_dir"] / rid
+        n = len(DUMP_PROMPTS[rid])
+        assert sorted(p.name for p in rdir.iterdir()) == sorted(
+            [f"chunk-{p:010d}.safetensors" for p in range(0, n, CHUNK)] + ["done.json"])
+
+
+def test_tp2_outputs_identical_with_dump_on_and_off(float32_runs):
+    assert float32_runs["tp2_on"] == float32_runs["tp2_off"]
