@@ -37,7 +37,10 @@ RUN PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --no-deps --no-index --no
     && rm -rf /tmp/hsdump-dist
 # The self-check: a supported SGLang (the one the label names), the plugin entry point, and
 # every capture point in the model code. A drifted base image fails here, not on the GPU host.
-RUN PYTHONDONTWRITEBYTECODE=1 hsdump doctor --expect-sglang "${SGLANG_VERSION}"
+# Importing SGLang writes caches (e.g. FlashInfer's JIT log) under $HOME: keep them out.
+RUN HOME=/tmp/hsdump-doctor PYTHONDONTWRITEBYTECODE=1 \
+        hsdump doctor --expect-sglang "${SGLANG_VERSION}" \
+    && rm -rf /tmp/hsdump-doctor
 
 ENV SGLANG_HS_DUMP_DIR=/dev/shm/sglang_hs \
     HSDUMP_PORT=30000

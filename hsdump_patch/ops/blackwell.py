@@ -95,9 +95,9 @@ def profile_settings(profile: str, config: dict[str, Any], tp: int) -> list[Sett
     if _is_plain_mla(config):
         settings.append(Setting(
             "attention_backend", ("--attention-backend", "triton"),
-            "MLA on sm_120: trtllm_mla/cutedsl_mla/fa4 are SM100-only and FA3 is Hopper-only; "
-            "triton is what 0.5.23 falls back to (get_default_attn_backend), made explicit so "
-            "no later auto-selection picks an SM100 kernel"))
+            "MLA on sm_120: 0.5.23 picks trtllm_mla only on sm100 and FA3 only on Hopper, "
+            "else triton (get_default_attn_backend); explicit, since earlier releases chose "
+            "trtllm_mla here and failed with 'Unsupported architecture' (sglang #24633)"))
     if _quant_method(config) == "fp8":
         settings.append(Setting(
             "fp8_gemm_runner_backend", ("--fp8-gemm-backend", "triton"),
