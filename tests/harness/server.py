@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,10 @@ def cpu_env(extra: dict[str, str] | None = None, tp: int = 1) -> dict[str, str]:
     env["SGLANG_USE_CPU_ENGINE"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CPU_SHIM), env.get("PYTHONPATH")) if p)
     env.pop("SGLANG_HS_DUMP_DIR", None)
+    # torch.compile's on-disk cache is not safe across concurrent processes (an importer can
+    # read a half-written .so): one cache per test run, shared by its servers in sequence.
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR",
+                   os.path.join(tempfile.gettempdir(), f"hsdump-inductor-{os.getpid()}"))
     if tp > 1:
         # One NUMA node: bind one core per rank; no NCCL on CPU: fall back to gloo.
         cores = os.cpu_count() or 1
