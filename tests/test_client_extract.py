@@ -299,3 +299,25 @@ def test_cached_tokens_fail_the_sample(tmp_path, llama_server, radix_server):
     assert extract(plain, dataset, tmp_path / "out2", "--on-error", "fail",
                    "--dump-timeout", "2") == 1
     assert "cached_tokens=" in read_report(tmp_path / "out2")["stopped"]
+
+
+def make_smoke(tmp_path: Path, *variables: str) -> subprocess.CompletedProcess:
+    # -o: the venv stamp counts as fresh (`make test` has just built it; never reinstall here).
+    return subprocess.run(["make", "-o", ".venv/.hsdump-installed", "smoke",
+                           f"SMOKE_DIR={tmp_path}", *variables], cwd=REPO, capture_output=True,
+                          text=True, timeout=900)
+
+
+def test_make_smoke_against_a_running_server(tmp_path, llama_server):
+    r = make_smoke(tmp_path, f"SERVER={llama_server.url}", f"DUMP_DIR={llama_server.dump_dir}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "hsdump smoke: PASS" in r.stdout
+    assert json.loads((tmp_path / "report.json").read_text())["passed"]
+
+
+def test_make_smoke_on_its_own_starts_and_stops_a_local_server(tmp_path):
+    r = make_smoke(tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "hsdump smoke: PASS" in r.stdout and "smoke: server stopped" in r.stdout
+    assert json.loads((tmp_path / "report.json").read_text())["passed"]
+    assert "hsdump: capturing the residual stream" in (tmp_path / "server.log").read_text()

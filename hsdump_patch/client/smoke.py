@@ -180,6 +180,7 @@ def _run(args: argparse.Namespace, work: Path) -> int:
     passed = all(ok for _, ok, _ in checks)
     verdict.update(passed=passed, checks=[{"check": n, "passed": ok, "detail": d}
                                           for n, ok, d in checks])
+    args.report.parent.mkdir(parents=True, exist_ok=True)
     protocol.write_json_atomic(args.report, verdict)
     for name, ok, detail in checks:
         print(f"  {'ok  ' if ok else 'FAIL'} {name}: {detail}")
