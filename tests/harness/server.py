@@ -36,8 +36,8 @@ def cpu_env(extra: dict[str, str] | None = None, tp: int = 1) -> dict[str, str]:
     env.pop("SGLANG_HS_DUMP_DIR", None)
     # torch.compile's on-disk cache is not safe across concurrent processes (an importer can
     # read a half-written .so): one cache per test run, shared by its servers in sequence.
-    env.setdefault("TORCHINDUCTOR_CACHE_DIR",
-                   os.path.join(tempfile.gettempdir(), f"hsdump-inductor-{os.getpid()}"))
+    env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(),
+                                                  f"hsdump-inductor-{os.getpid()}")
     if tp > 1:
         # One NUMA node: bind one core per rank; no NCCL on CPU: fall back to gloo.
         cores = os.cpu_count() or 1
