@@ -48,6 +48,7 @@ from safetensors.torch import load_file
 
 from hsdump_patch import protocol
 from hsdump_patch.capture import config
+from hsdump_patch.capture import writer as writer_module
 from hsdump_patch.capture.writer import DumpWriter
 
 VOCAB = 163_840  # Kimi-K2's vocabulary; only the ids' dtype matters here
@@ -402,6 +403,7 @@ class Row:
     peak_inflight_mb: float | None = None
     staging_mb: float | None = None
     rss_growth_mb: float | None = None
+    cap_wait_ms: float | None = None  # part of the stall spent waiting for the cap (JSON only)
 
 
 COLUMNS = [  # (Row field, heading, format)
@@ -474,6 +476,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    else Path(tempfile.gettempdir()),
                    help="filesystem to write to; a private subdirectory is used and removed "
                         "(default: /dev/shm, else the temp dir)")
+    p.add_argument("--page-mib", type=int, default=writer_module.PAGE_BYTES >> 20,
+                   help="writer staging page size in MiB, for profiling "
+                        f"(default: {writer_module.PAGE_BYTES >> 20}, the writer's own)")
     p.add_argument("--json", type=Path, help="also write every number here (default: none)")
     args = p.parse_args(argv)
     for key, value in DEFAULTS[args.device].items():
@@ -489,6 +494,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; print the table and verdicts. Exit 1 if a read-back check fails."""
     args = parse_args(argv)
+    writer_module.PAGE_BYTES = args.page_mib << 20
     device = torch.device(args.device)
     root = Path(tempfile.mkdtemp(prefix="hsdump-bench-", dir=args.dump_dir))
     os.chmod(root, protocol.DIR_MODE)
@@ -501,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# bench_writer {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, "
           f"{machine}, {os.cpu_count()} CPUs, torch {torch.__version__}, dump dir "
           f"{args.dump_dir}, threads {args.threads}, caps {_mib(args.cap)} / "
-          f"{_mib(args.small_cap)}", flush=True)
+          f"{_mib(args.small_cap)}, pages {args.page_mib} MiB", flush=True)
     try:
         if args.prefault:
             _log(f"prefault {_mib(args.prefault)}")
@@ -537,7 +543,8 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append(Row(tokens, mb, f"writer cap {_mib(cap)}, {name}", gbps / GB,
                                     gbps / limit, mean * 1e3, max(run.stalls) * 1e3,
                                     mean / sync_mean, run.peak_inflight / MB,
-                                    run.staging_peak / MB, run.rss_growth / MB))
+                                    run.staging_peak / MB, run.rss_growth / MB,
+                                    run.forward_wait_s / len(run.stalls) * 1e3))
                     errors += run.errors
                     verified += run.verified
                     bound = max(cap, _oversize_bound(wl, run.page_bytes))

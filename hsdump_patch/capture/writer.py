@@ -9,8 +9,9 @@ by the kernel, so several chunks (requests) are written at once instead.
 
 Memory is bounded by the in-flight cap: staging memory is a pool of fixed-size pages that never
 grows past ``max_inflight_bytes`` (a chunk larger than the cap goes through alone, and its extra
-pages are dropped after it). When the cap is reached the forward thread waits rather than memory
-growing; in steady state no page is allocated. A free-space guard refuses a chunk that would
+pages are dropped after it). On CUDA the pool is pinned up to the cap by a background thread
+at start; after that no page is allocated. When the cap is reached the forward thread waits
+rather than memory growing. A free-space guard refuses a chunk that would
 push the dump dir below its reserve and turns the request into an error marker instead. Nothing
 here raises into the forward: errors are counted, logged and reported in the error marker.
 """
@@ -118,6 +119,11 @@ class DumpWriter:
         ]
         for t in self._threads:
             t.start()
+        self._filler: threading.Thread | None = None
+        if self._cuda:
+            self._filler = threading.Thread(target=self._fill_pool, args=(device,),
+                                            name="hsdump-pinned-pool", daemon=True)
+            self._filler.start()
 
     # ---------------------------------------------------------------- forward thread side
 
@@ -202,6 +208,8 @@ class DumpWriter:
             self._tasks.put(None)
         for t in self._threads:
             t.join()
+        if self._filler is not None:
+            self._filler.join()
         with self._cond:
             self._pool_pages -= len(self._free)
             self._free.clear()
@@ -266,6 +274,29 @@ class DumpWriter:
             self._release(pages)
             raise
         return pages
+
+    def _fill_pool(self, device: torch.device) -> None:
+        """Pin the pool up to the cap in the background: pinning is slow (cudaHostAlloc), and
+        the forward thread would otherwise pay for it whenever the pool grows."""
+        try:
+            with torch.cuda.device(device):
+                while True:
+                    with self._cond:
+                        if self._closed or self._pool_pages >= self._cap_pages:
+                            return
+                        self._pool_pages += 1
+                    try:
+                        page = self._new_page()
+                    except BaseException:
+                        with self._cond:
+                            self._pool_pages -= 1
+                        raise
+                    with self._cond:
+                        self._free.append(page)
+                        self.stats.staging_bytes = self._pool_pages * self.page_bytes
+                        self._cond.notify_all()
+        except Exception:
+            logger.exception("hsdump: could not pin the staging pool ahead; pinning on demand")
 
     def _new_page(self) -> _Page:
         t = torch.empty(self.page_bytes, dtype=torch.uint8, pin_memory=self._cuda)
