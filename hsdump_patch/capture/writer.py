@@ -121,7 +121,10 @@ class DumpWriter:
             t.start()
         self._filler: threading.Thread | None = None
         if self._cuda:
-            self._filler = threading.Thread(target=self._fill_pool, args=(device,),
+            # The index is resolved here, in the forward's thread: a bare "cuda" in another
+            # thread means device 0, and pinning there would create a context on that GPU.
+            index = torch.cuda.current_device() if device.index is None else device.index
+            self._filler = threading.Thread(target=self._fill_pool, args=(index,),
                                             name="hsdump-pinned-pool", daemon=True)
             self._filler.start()
 
@@ -275,7 +278,7 @@ class DumpWriter:
             raise
         return pages
 
-    def _fill_pool(self, device: torch.device) -> None:
+    def _fill_pool(self, device: int) -> None:
         """Pin the pool up to the cap in the background: pinning is slow (cudaHostAlloc), and
         the forward thread would otherwise pay for it whenever the pool grows."""
         try:
@@ -335,7 +338,8 @@ class DumpWriter:
             ready = torch.cuda.Event()
             ready.record(self._side_stream)
         for f in flats:  # the caller may free them now: their memory waits for the copy
-            f.record_stream(self._side_stream)
+            if f.is_cuda:
+                f.record_stream(self._side_stream)
         return ready
 
     def _copy_host(self, pages: list[_Page], src: np.ndarray, start: int) -> int:
