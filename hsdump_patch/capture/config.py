@@ -25,7 +25,7 @@ ENV_WRITER_THREADS = "SGLANG_HS_DUMP_WRITER_THREADS"
 DEFAULT_RID_PREFIX = "hsdump-"
 DEFAULT_MAX_INFLIGHT = 4 << 30
 DEFAULT_MIN_FREE = 1 << 30
-DEFAULT_WRITER_THREADS = 4
+DEFAULT_WRITER_THREADS = 8
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
