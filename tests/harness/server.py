@@ -96,7 +96,7 @@ def launch(model: Path, log_path: Path, *, args: list[str] = (), env: dict[str, 
 
 
 def start(model: Path, log_path: Path, *, args: list[str] = (), env: dict[str, str] | None = None,
-          tp: int = 1, timeout: float = 300) -> Server:
+          tp: int = 1, timeout: float = 900) -> Server:
     """Start a server and wait until it answers ``/ready``; raise with its log on failure."""
     port = free_port()
     full_args = ["--port", str(port), *args]
