@@ -28,8 +28,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from hsdump_patch import protocol  # noqa: E402 - the repo root must be importable first
+from hsdump_patch.client import assemble, records  # noqa: E402
 from hsdump_patch.client import extract as ex  # noqa: E402
-from hsdump_patch.client import records  # noqa: E402
 from hsdump_patch.client.dataset import Shard  # noqa: E402
 from tests.harness import make_models  # noqa: E402
 from tests.harness import server as srv  # noqa: E402
@@ -61,6 +61,35 @@ def json_path(url: str, rows: list[dict], info: protocol.ServerInfo, out: Path,
     with cf.ThreadPoolExecutor(concurrency) as pool:
         size = sum(pool.map(one, rows))
     return time.perf_counter() - t0, size
+
+
+def decode_costs(url: str, dump: Path, info: protocol.ServerInfo, row: dict,
+                 repeats: int = 3) -> tuple[float, float]:
+    """Client-side cost per token of getting one prompt's states into tensors (best of
+    ``repeats``): JSON parse + tensor build vs reading the chunk files. On a GPU server, where
+    the forward is fast, this cost (plus the server's own serialisation) bounds throughput."""
+    n, k, h = len(row["input_ids"]), len(info.layers), info.hidden_size
+    best_json = best_dump = float("inf")
+    for i in range(repeats):
+        body = {"input_ids": row["input_ids"], "return_hidden_states": True,
+                "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+        raw = requests.post(f"{url}/generate", json=body, timeout=3600).content
+        t0 = time.perf_counter()
+        hs = json.loads(raw)["meta_info"]["hidden_states"][0]
+        torch.tensor(hs, dtype=torch.bfloat16).reshape(n, k, h)
+        best_json = min(best_json, time.perf_counter() - t0)
+
+        rid = f"{info.rid_prefix}probe-{i}"
+        body = {"rid": rid, "input_ids": row["input_ids"],
+                "sampling_params": {"max_new_tokens": 0, "temperature": 0}}
+        requests.post(f"{url}/generate", json=body, timeout=3600).raise_for_status()
+        assert assemble.wait_for_marker(dump, rid, 60)
+        t0 = time.perf_counter()
+        assemble.read_request(dump, rid, row["input_ids"], info,
+                              records.RecordBuilder("eagle3", n, info))
+        best_dump = min(best_dump, time.perf_counter() - t0)
+        assemble.remove_request(dump, rid)
+    return best_json / n * 1e6, best_dump / n * 1e6
 
 
 def main() -> int:
@@ -98,6 +127,7 @@ def main() -> int:
         rep = ex.extract(settings, dataset, shard=Shard())
         assert rep.ok == len(rows), rep.to_json()
         t_json, json_bytes = json_path(server.url, rows, info, work / "json", args.concurrency)
+        us_json, us_dump = decode_costs(server.url, dump, info, rows[0])
     finally:
         server.stop()
     worst = 0.0
@@ -117,6 +147,9 @@ def main() -> int:
           f"{rate_h / rate_j:>7.2f}")
     print(f"  JSON response bytes {json_bytes / 1e6:.1f} MB vs records {rep.bytes / 1e6:.1f} MB; "
           f"max |hsdump - JSON| = {worst:.3g}")
+    print(f"  client-side decode per token: JSON {us_json:.1f} us, hsdump {us_dump:.1f} us "
+          f"({us_json / us_dump:.1f}x); alone they cap a client at {1e6 / us_json:,.0f} vs "
+          f"{1e6 / us_dump:,.0f} tokens/s")
     return 0
 
 

@@ -126,7 +126,8 @@ def test_malformed_rows_name_file_line_and_problem(tmp_path, tokenizer, row, pro
 
 
 def test_duplicate_ids_and_truncation_to_an_empty_mask_are_errors(tmp_path, tokenizer):
-    path = write_jsonl(tmp_path / "d.jsonl", [openai_row(CONV, id="x"), "", openai_row(CONV, id="x")])
+    rows = [openai_row(CONV, id="x"), "", openai_row(CONV, id="x")]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
     items, errors = load_all(path, tokenizer, max_len=3)
     assert [str(e) for e in errors] == [
         f"{path}:3: duplicate id 'x' (first on line 1); ids must be unique because they name "
