@@ -319,7 +319,7 @@ class TestDeploy:
         assert deployment.second.recap()["cpu-host"]["changed"] == 0, deployment.second.output
 
     def test_extract_two_hosts_write_each_sample_once(self, ansible, deployment, tmp_path):
-        ids = [f"ex-{i}" for i in range(8)]
+        ids = [f"s{i}" for i in range(8)]  # 5 + 3 over the two shards
         dataset = tmp_path / "dataset.jsonl"
         dataset.write_text("".join(json.dumps({"id": i, "messages": [
             {"role": "user", "content": f"Question {i}: what is the capital of France?"},
