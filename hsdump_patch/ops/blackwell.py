@@ -6,6 +6,7 @@ passing the same SGLang flag after ``--`` (or turns the profile off with ``--pro
 
 from __future__ import annotations
 
+import glob
 import json
 import shutil
 import subprocess
@@ -29,8 +30,8 @@ class Setting:
 def detect_compute_capability() -> tuple[int, int] | None:
     """Return the lowest compute capability among the visible GPUs, or None without a GPU.
 
-    Asks ``nvidia-smi`` first; falls back to torch in a child process, so this process never
-    holds a CUDA context (it is replaced by the server right after).
+    Asks ``nvidia-smi`` first; falls back to torch in a child process when NVIDIA device nodes
+    exist, so this process never holds a CUDA context (it is replaced by the server right after).
     """
     caps: list[tuple[int, int]] = []
     if shutil.which("nvidia-smi"):
@@ -38,7 +39,7 @@ def detect_compute_capability() -> tuple[int, int] | None:
                            capture_output=True, text=True, timeout=60, check=False)
         if r.returncode == 0:
             caps = [_parse_cap(line) for line in r.stdout.split() if line.strip()]
-    if not caps:
+    if not caps and glob.glob("/dev/nvidia[0-9]*"):  # no device node: no GPU, skip torch
         code = ("import torch\n"
                 "for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):\n"
                 "    print('%d.%d' % torch.cuda.get_device_capability(i))")
