@@ -16,6 +16,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from hsdump_patch.capture import guards
 from hsdump_patch.ops import blackwell
 
 DEFAULT_DUMP_DIR = "/dev/shm/sglang_hs"
@@ -91,8 +92,6 @@ def contradictions(explicit: dict[str, Any]) -> list[str]:
 
 def plan(args: argparse.Namespace, capability: tuple[int, int] | None) -> Launch:
     """Build the server command for the parsed ``hsdump serve`` options; raise ServeError."""
-    from hsdump_patch.capture import guards
-
     sglang_args = list(args.sglang_args)
     if sglang_args[:1] == ["--"]:
         sglang_args = sglang_args[1:]
