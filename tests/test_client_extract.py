@@ -7,6 +7,7 @@ that are down or that reuse cached tokens.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -109,6 +110,7 @@ def test_records_equal_hf_reference_in_both_formats_at_16_way_concurrency(
     info = protocol.read_server_info(dump_server.dump_dir)
     tok = AutoTokenizer.from_pretrained(dump_server.model)
     model = hf_models(dump_server.model)
+    refs: dict[str, tuple] = {}  # HF states per row, shared by both formats
     worst = 0.0
     for fmt in records.FORMATS:
         out = tmp_path / fmt
@@ -131,7 +133,9 @@ def test_records_equal_hf_reference_in_both_formats_at_16_way_concurrency(
                 ids, mask = reference(tok, turns)
             assert rec["input_ids"].tolist() == ids
             assert rec["loss_mask"].tolist() == mask
-            states, final = hf_reference(model, ids)
+            if row["id"] not in refs:
+                refs[row["id"]] = hf_reference(model, ids)
+            states, final = refs[row["id"]]
             if fmt == "eagle3":
                 layers = rec["hidden_states"]
                 got_final = rec["final_hidden_state"]
@@ -271,7 +275,8 @@ def radix_server(tmp_path_factory, tiny_models):
     """Tiny Llama WITHOUT the capture patch and WITH SGLang's default radix cache."""
     tmp = tmp_path_factory.mktemp("radix")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(srv, "BASE_ARGS", [a for a in srv.BASE_ARGS if a != "--disable-radix-cache"])
+        radix_on = [a for a in srv.EXTRACTION_ARGS if a != "--disable-radix-cache"]
+        mp.setattr(srv, "launch", functools.partial(srv.launch, extraction_args=radix_on))
         server = srv.start(tiny_models / "tiny-llama", tmp / "server.log")
     yield server
     server.stop()
