@@ -96,11 +96,13 @@ def launch(model: Path, log_path: Path, *, args: list[str] = (), env: dict[str, 
 
 
 def start(model: Path, log_path: Path, *, args: list[str] = (), env: dict[str, str] | None = None,
-          tp: int = 1, timeout: float = 900) -> Server:
+          tp: int = 1, extraction_args: list[str] = EXTRACTION_ARGS,
+          timeout: float = 900) -> Server:
     """Start a server and wait until it answers ``/ready``; raise with its log on failure."""
     port = free_port()
     full_args = ["--port", str(port), *args]
-    proc = launch(model, log_path, args=full_args, env=env, tp=tp)
+    proc = launch(model, log_path, args=full_args, env=env, tp=tp,
+                  extraction_args=extraction_args)
     server = Server(proc, f"http://127.0.0.1:{port}", log_path, full_args)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
