@@ -285,22 +285,24 @@ def radix_server(tmp_path_factory, tiny_models):
 def test_cached_tokens_fail_the_sample(tmp_path, llama_server, radix_server):
     """The real misconfiguration behind ``cached_tokens != 0``: ``--dump-dir`` holds the
     server.json of a patched server, while ``--server`` is a plain server of the same model
-    with the radix cache on. The second identical prompt is served from the cache."""
+    with the radix cache on, whose cache other traffic (a decoding request) has filled."""
     dump = tmp_path / "dump"
     dump.mkdir()
     (dump / protocol.SERVER_INFO).write_bytes(
         (llama_server.dump_dir / protocol.SERVER_INFO).read_bytes())
     plain = SimpleNamespace(url=radix_server.url, dump_dir=dump)
     row = pre_tokenized(1, seed=6, lo=120, hi=120, prefix="c")[0]
+    # Prefill-only requests are not inserted into the radix cache; a decoding one is.
+    radix_server.generate(row["input_ids"], max_new_tokens=2)
     dataset = write_jsonl(tmp_path / "d.jsonl", [row, {**row, "id": "again"}])
     out = tmp_path / "out"
     assert extract(plain, dataset, out, "--on-error", "skip", "--concurrency", "1",
                    "--dump-timeout", "2") == 3
     reasons = {i["id"]: i["reason"] for i in read_report(out)["issues"]}
-    assert "no done/error marker" in reasons["c0"]
-    assert "cached_tokens=" in reasons["again"] and "--disable-radix-cache" in reasons["again"]
+    for sample_id in ("c0", "again"):
+        assert "cached_tokens=" in reasons[sample_id]
+        assert "--disable-radix-cache" in reasons[sample_id]
 
-    dataset = write_jsonl(tmp_path / "d2.jsonl", [{**row, "id": "third"}])
     assert extract(plain, dataset, tmp_path / "out2", "--on-error", "fail",
                    "--dump-timeout", "2") == 1
     assert "cached_tokens=" in read_report(tmp_path / "out2")["stopped"]
