@@ -77,7 +77,7 @@ def float32_runs(tiny_models, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("f32")
     model = tiny_models / "tiny-llama"
     chunked = ["--chunked-prefill-size", str(CHUNK), *F32]
-    tp1 = run_server(tmp, model, "tp1", dump_all, args=["--chunked-prefill-size", "-1", *F32])
+    tp1 = run_server(tmp, model, "tp1", dump_all, args=["--chunked-prefill-size", "4096", *F32])
 
     def tp2_collect(s: DumpServer):
         return dump_all(s), generate_all(s), s.server.log(), s.dump_dir
