@@ -7,6 +7,7 @@ stop each server before the next starts (tp 2 on CPU takes ~8 GB).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -93,11 +94,11 @@ def test_float32_dump_equals_hf_tightly(float32_runs):
     for rid, d in float32_runs["tp1"].items():
         ref = hf_hidden_states(float32_runs["model"], DUMP_PROMPTS[rid], torch.float32)
         assert d.hidden.dtype == torch.float32 and d.prefix_lens == [0]
-        layers = [int(x) for x in d.metas[0]["layers"].strip("[]").split(",")]
+        layers = json.loads(d.metas[0]["layers"])
+        assert d.hidden.shape[1] == len(layers)  # these servers dump no final state
         for slot, layer in enumerate(layers):
             torch.testing.assert_close(d.hidden[:, slot], ref[layer], atol=F32_ATOL,
                                        rtol=F32_RTOL)
-        torch.testing.assert_close(d.hidden[:, -1], ref[-1], atol=F32_ATOL, rtol=F32_RTOL)
 
 
 def test_chunks_assemble_to_the_unchunked_tp1_result(float32_runs):
