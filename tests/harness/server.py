@@ -17,7 +17,9 @@ import requests
 
 CPU_SHIM = Path(__file__).resolve().parent / "cpu_shim"
 # What every CPU test server needs.
-CPU_ARGS = ["--device", "cpu", "--max-total-tokens", "8192", "--host", "127.0.0.1"]
+CPU_ARGS = ["--device", "cpu", "--max-total-tokens", "8192", "--host", "127.0.0.1",
+            # idle schedulers otherwise busy-poll a core each, starving the rest of the suite
+            "--sleep-on-idle"]
 # What the capture patch requires.
 EXTRACTION_ARGS = ["--disable-cuda-graph", "--disable-radix-cache"]
 
