@@ -7,7 +7,6 @@ that are down or that reuse cached tokens.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import random
@@ -274,10 +273,8 @@ def test_smoke_fails_when_the_dump_dir_is_not_the_servers(tmp_path, llama_server
 def radix_server(tmp_path_factory, tiny_models):
     """Tiny Llama WITHOUT the capture patch and WITH SGLang's default radix cache."""
     tmp = tmp_path_factory.mktemp("radix")
-    with pytest.MonkeyPatch.context() as mp:
-        radix_on = [a for a in srv.EXTRACTION_ARGS if a != "--disable-radix-cache"]
-        mp.setattr(srv, "launch", functools.partial(srv.launch, extraction_args=radix_on))
-        server = srv.start(tiny_models / "tiny-llama", tmp / "server.log")
+    radix_on = [a for a in srv.EXTRACTION_ARGS if a != "--disable-radix-cache"]
+    server = srv.start(tiny_models / "tiny-llama", tmp / "server.log", extraction_args=radix_on)
     yield server
     server.stop()
 
