@@ -45,7 +45,6 @@ class DecoderStack:
 
     causal_lm: nn.Module
     inner: nn.Module  # the module holding ``layers``; its forward receives the ForwardBatch
-    inner_path: str
     layers: nn.ModuleList
     num_layers: int
     hidden_size: int
@@ -68,13 +67,12 @@ def locate_decoder_stack(causal_lm: nn.Module) -> DecoderStack:
             "boundary framework, so its EAGLE-3 capture point is unavailable. Supported: "
             + ", ".join(c for _, classes, _ in SUPPORTED_MODELS for c in classes)
         )
-    _, path, inner = min(candidates, key=lambda c: c[:2])
+    _, _, inner = min(candidates, key=lambda c: c[:2])
     config = getattr(inner, "config", None) or getattr(causal_lm, "config", None)
     text_config = getattr(config, "text_config", None) or config
     return DecoderStack(
         causal_lm=causal_lm,
         inner=inner,
-        inner_path=path,
         layers=inner.layers,
         num_layers=int(text_config.num_hidden_layers),
         hidden_size=int(text_config.hidden_size),
