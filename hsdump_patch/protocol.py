@@ -18,6 +18,7 @@ names starting with ``.`` are in-progress temp files and never part of the proto
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import struct
@@ -44,6 +45,7 @@ INPUT_IDS_KEY = "input_ids"  # [n], int64
 POSITIONS_KEY = "positions"  # [n], int64
 
 DIR_MODE = 0o700
+MAX_DIRNAME = 200  # request directory names stay below this many bytes (+1 when hashed)
 FILE_MODE = 0o600
 
 # safetensors dtype names <-> torch dtype names (kept as strings: no torch import here).
@@ -65,12 +67,19 @@ class ProtocolError(RuntimeError):
 
 
 def rid_dirname(rid: str) -> str:
-    """Return the directory name for a request id: percent-encoded so any rid is a safe name."""
+    """Return the directory name for a request id: percent-encoded so any rid is a safe name,
+    shortened to a prefix + hash past ``MAX_DIRNAME`` bytes."""
     if not rid:
         raise ValueError("empty request id")
     name = urllib.parse.quote(rid, safe="-_")
     # '.' is encoded too, so a rid can never be '.', '..' or a hidden temp name.
-    return name.replace(".", "%2E")
+    name = name.replace(".", "%2E")
+    if len(name) <= MAX_DIRNAME:
+        return name
+    # Long (or non-ASCII, 9 bytes per character encoded) rids: a prefix + a hash, one byte
+    # longer than any plain name, so the two kinds never meet; far below the 255-byte limit.
+    digest = hashlib.sha256(rid.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+    return name[: MAX_DIRNAME - 32] + "+" + digest
 
 
 def rid_dir(dump_dir: str | os.PathLike[str], rid: str) -> Path:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
-import os
 import subprocess
 import sys
 
@@ -39,7 +39,8 @@ def test_eagle3_record_layout_round_trips_through_weights_only_load(tmp_path, ha
     rec, full = build("eagle3", info)
     path = tmp_path / records.record_name("a/b c")
     size = records.save_atomic(rec, path)
-    assert path.name == "a%2Fb%20c.pt" and size == path.stat().st_size
+    assert path.name == "a_b_c-" + hashlib.sha256(b"a/b c").hexdigest()[:16] + ".pt"
+    assert size == path.stat().st_size
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temp file left
     got = records.load_record(path)
     assert set(got) == {"input_ids", "loss_mask", "hidden_states"} | (
@@ -52,16 +53,75 @@ def test_eagle3_record_layout_round_trips_through_weights_only_load(tmp_path, ha
         assert torch.equal(got["final_hidden_state"], full[:, 3])
 
 
-def test_specforge_record_concatenates_layers_in_order(tmp_path):
-    info = server_info()
+@pytest.mark.parametrize("compress", [False, True])
+def test_specforge_record_has_specforges_layout_and_ascending_layer_order(tmp_path, compress):
+    """SpecForge's prepare_hidden_states.py: [1, L, K*H] / [1, L, H] with a batch dimension,
+    ``.ckpt`` (``.ckpt.gz`` gzipped); SGLang serving concatenates layers in ascending order."""
+    info = server_info(layers=(5, 1, 3))  # slots 0, 1, 2 hold layers 5, 1, 3
     rec, full = build("specforge", info)
-    records.save_atomic(rec, tmp_path / "x.pt")
-    got = records.load_record(tmp_path / "x.pt")
+    name = records.record_name("s-1", "specforge", compress)
+    assert name == f"rows_{hashlib.sha256(b's-1').hexdigest()[:2]}/s-1.ckpt" + (
+        ".gz" if compress else "")
+    records.save_atomic(rec, tmp_path / name, compress)
+    raw = (tmp_path / name).read_bytes()
+    assert raw[:2] == (b"\x1f\x8b" if compress else b"PK")  # gzip / torch's zip container
+    got = records.load_record(tmp_path / name)
     assert set(got) == {"input_ids", "loss_mask", "aux_hidden_state", "hidden_state"}
-    assert got["aux_hidden_state"].shape == (10, 24)
-    assert torch.equal(got["aux_hidden_state"], torch.cat([full[:, s] for s in range(3)], -1))
-    assert torch.equal(got["hidden_state"], full[:, 3])
+    assert got["aux_hidden_state"].shape == (1, 10, 24)
+    assert got["hidden_state"].shape == (1, 10, 8)
+    assert got["input_ids"].shape == got["loss_mask"].shape == (10,)
+    want = torch.cat([full[:, 1], full[:, 2], full[:, 0]], -1)  # layers 1, 3, 5
+    assert torch.equal(got["aux_hidden_state"][0], want)
+    assert torch.equal(got["hidden_state"][0], full[:, 3])
     assert got["loss_mask"].tolist() == [0] * 5 + [1] * 5
+
+
+def test_specforge_without_final_state_is_refused_naming_the_variable():
+    info = server_info(has_final=False)
+    for fmt in records.FORMATS:
+        with pytest.raises(ValueError, match="SGLANG_HS_DUMP_FINAL=1") as e:
+            records.check_format(fmt, info)
+        assert ("--allow-no-final" in str(e.value)) == (fmt == "eagle3")
+    records.check_format("eagle3", info, allow_no_final=True)  # explicit opt-in
+    with pytest.raises(ValueError, match="SGLANG_HS_DUMP_FINAL"):
+        records.check_format("specforge", info, allow_no_final=True)
+    records.check_format("specforge", server_info())
+
+
+@pytest.mark.parametrize("sample_id", [
+    "é" * 40,  # 40 characters, 80 bytes: 363 once percent-encoded
+    "x" * 5000, "a/b", "..", ".hidden", "-", "with space", "tab\tnew\nline", "🙂" * 70,
+    "p" * 80, "p" * 81, "ok-0123456789abcdef",
+])
+def test_any_id_gets_a_short_stable_distinct_file_and_dump_dir_name(tmp_path, sample_id):
+    names = {records.record_name(sample_id, fmt, c) for fmt in records.FORMATS
+             for c in (False, True)}
+    for name in names:
+        assert name == records.record_name(*_split(name, sample_id))  # stable
+        leaf = name.rsplit("/", 1)[-1]
+        assert len(leaf.encode()) <= 100 and not leaf.startswith(".")
+        assert all(c.isascii() and (c.isalnum() or c in "._-") for c in leaf)
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(b"")  # the filesystem takes it
+    rid_dir = protocol.rid_dir(tmp_path, "hsdump-" + sample_id)
+    assert len(rid_dir.name) <= protocol.MAX_DIRNAME + 1
+    rid_dir.mkdir()
+    plain = records.record_stem(sample_id) == sample_id
+    assert plain == (sample_id == "p" * 80)
+
+
+def _split(name: str, sample_id: str) -> tuple[str, str, bool]:
+    return (sample_id, "specforge" if name.startswith("rows_") else "eagle3",
+            name.endswith(".gz"))
+
+
+def test_record_stems_never_collide():
+    ids = ["a/b", "a b", "a_b", "a\u00e9b", "x" * 81, "x" * 82, "ok-0123456789abcdef",
+           "ok", "é" * 40, "é" * 41]
+    stems = [records.record_stem(i) for i in ids]
+    assert len(set(stems)) == len(ids)
+    # A plain id that looks like a hashed stem is hashed as well.
+    assert records.record_stem(stems[0]) != stems[0]
 
 
 def test_save_atomic_leaves_nothing_when_writing_fails(tmp_path):
@@ -115,11 +175,14 @@ def test_one_process_per_shard(tmp_path):
         assert other.returncode == 0
 
 
-def test_stale_temps_of_this_shard_are_removed(tmp_path):
-    mine, theirs = records.record_name("mine"), records.record_name("theirs")
+@pytest.mark.parametrize("fmt", records.FORMATS)
+def test_stale_temps_of_this_shard_are_removed(tmp_path, fmt):
+    mine, theirs = records.record_name("mine", fmt), records.record_name("theirs", fmt)
     for name in (mine, theirs):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
         protocol.temp_path(tmp_path / name).write_bytes(b"partial")
     (tmp_path / mine).write_bytes(b"complete")
-    assert remove_stale_temps(tmp_path, {mine}) == 1
-    left = sorted(os.listdir(tmp_path))
-    assert left[0].startswith(f".{theirs}.tmp-") and left[1:] == [mine]
+    assert remove_stale_temps(tmp_path, {mine, records.record_name("never", fmt)}) == 1
+    temps = sorted(p.name for p in tmp_path.rglob(".*.tmp-*"))
+    assert len(temps) == 1 and temps[0].startswith(".theirs.")
+    assert (tmp_path / mine).read_bytes() == b"complete"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import errno
 import os
 import sys
 import threading
@@ -83,6 +84,8 @@ class Settings:
     min_free_bytes: int = parse_size(DEFAULT_MIN_FREE, "")
     max_consecutive_errors: int = DEFAULT_MAX_CONSECUTIVE_ERRORS
     progress: bool = True
+    compress: bool = False
+    allow_no_final: bool = False
 
 
 # ------------------------------------------------------------------------------ HTTP
@@ -124,6 +127,15 @@ class ServerClient:
         r.raise_for_status()
         return r.json()
 
+    def server_args(self) -> dict[str, Any]:
+        """The server's resolved launch arguments (``/server_info``, older ``/get_server_info``);
+        empty when neither answers."""
+        for path in ("/server_info", "/get_server_info"):
+            r = self._request("GET", path, timeout=30)
+            if r.status_code == 200:
+                return r.json()
+        return {}
+
     def generate(self, rid: str, input_ids: list[int]) -> dict[str, Any]:
         """Run a prefill-only request; return its ``meta_info``."""
         body = {"rid": rid, "input_ids": input_ids,
@@ -160,8 +172,13 @@ def check_meta(meta: dict[str, Any], sent: int) -> str | None:
 @dataclass
 class Done:
     sample: Sample
+    file: str
     size: int
     chunks: int
+
+
+# Errors of the output disk that every following sample would hit too: stop the run.
+_FATAL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
 
 
 class Extraction:
@@ -204,7 +221,15 @@ class Extraction:
                 delay = min(delay * 2, 5.0)
 
     def process(self, sample: Sample) -> Done:
-        """Extract one sample; raise SampleFailed (or ServerDown) on failure."""
+        """Extract one sample; raise SampleFailed (or ServerDown) on failure. Whatever happens,
+        the request's files leave the dump dir."""
+        try:
+            return self._process(sample)
+        except BaseException:
+            assemble.remove_request(self.s.dump_dir, self.rid(sample.id))
+            raise
+
+    def _process(self, sample: Sample) -> Done:
         rid, dump = self.rid(sample.id), self.s.dump_dir
         try:
             meta = self._send(rid, sample.input_ids)
@@ -234,10 +259,16 @@ class Extraction:
             chunks = assemble.read_request(dump, rid, sample.input_ids, self.info, builder)
         except protocol.ProtocolError as e:
             raise SampleFailed(f"invalid dump: {e}") from None
-        path = self.s.out / records.record_name(sample.id)
-        size = records.save_atomic(builder.record(sample.input_ids, sample.loss_mask), path)
         assemble.remove_request(dump, rid)
-        return Done(sample, size, chunks)
+        name = records.record_name(sample.id, self.s.fmt, self.s.compress)
+        try:
+            size = records.save_atomic(builder.record(sample.input_ids, sample.loss_mask),
+                                       self.s.out / name, self.s.compress)
+        except OSError as e:
+            if e.errno in _FATAL_ERRNOS:
+                raise
+            raise SampleFailed(f"could not write its record {self.s.out / name}: {e}") from None
+        return Done(sample, name, size, chunks)
 
     # -------------------------------------------------------------------------- the run
 
@@ -284,12 +315,16 @@ class Extraction:
                     report.stop(str(e))
                     issue("failed", sample.id, sample.where, str(e))
                     continue
-                except Exception as e:  # a local fault (disk full, bug): stop, do not spin
-                    report.stop(f"{sample.where}: {type(e).__name__}: {e}")
+                except OSError as e:
+                    if e.errno in _FATAL_ERRNOS:  # a full or read-only disk: stop
+                        report.stop(f"{sample.where}: {e}")
+                    issue("failed", sample.id, sample.where, f"{type(e).__name__}: {e}")
+                    continue
+                except Exception as e:  # anything else is local to this sample: list it
                     issue("failed", sample.id, sample.where, f"{type(e).__name__}: {e}")
                     continue
                 consecutive = 0
-                manifest.append({"id": sample.id, "file": records.record_name(sample.id),
+                manifest.append({"id": sample.id, "file": res.file,
                                  "tokens": len(sample.input_ids), "bytes": res.size,
                                  "digest": sample.digest})
                 report.add_ok(len(sample.input_ids), res.size, res.chunks)
@@ -385,14 +420,25 @@ def connect(settings: Settings, rid_prefix: str | None) -> tuple[ServerClient, d
         raise protocol.ProtocolError(
             f"--rid-prefix {rid_prefix!r} differs from the server's SGLANG_HS_DUMP_RID_PREFIX "
             f"{info.rid_prefix!r}: the server would not dump these requests")
+    records.check_format(settings.fmt, info, settings.allow_no_final)
     return client, model_info, info
 
 
-def load_tokenizer(model: str, trust_remote_code: bool) -> Any:
-    """The model's own tokenizer (and chat template)."""
+def load_tokenizer(model: str, trust_remote_code: bool, server_trusts: bool = False) -> Any:
+    """The model's own tokenizer (and chat template), with custom code allowed when the flag or
+    the server's own ``--trust-remote-code`` says so."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code)
+    trust = trust_remote_code or server_trusts
+    try:
+        return AutoTokenizer.from_pretrained(model, trust_remote_code=trust)
+    except ValueError as e:
+        if trust or "trust_remote_code" not in str(e):
+            raise
+        raise ValueError(
+            f"the tokenizer of {model} needs its own code (custom code in the model dir), and "
+            "neither this client nor the server was told to trust it: add --trust-remote-code "
+            "to the hsdump command (the server needs --trust-remote-code too)") from None
 
 
 def extract(settings: Settings, dataset: Path, *, shard: Shard | None = None,
@@ -402,7 +448,8 @@ def extract(settings: Settings, dataset: Path, *, shard: Shard | None = None,
     shard = shard or Shard()
     client, model_info, info = connect(settings, rid_prefix)
     tokenizer_path = model or model_info.get("tokenizer_path") or info.model
-    tokenizer = load_tokenizer(tokenizer_path, trust_remote_code)
+    tokenizer = load_tokenizer(tokenizer_path, trust_remote_code,
+                               bool(client.server_args().get("trust_remote_code")))
     renderer = ChatRenderer(tokenizer) if getattr(tokenizer, "chat_template", None) else None
 
     rows, bad_rows = index_dataset(dataset)
@@ -410,14 +457,15 @@ def extract(settings: Settings, dataset: Path, *, shard: Shard | None = None,
     bad_rows = [e for e in bad_rows if shard.contains(e.sample_id or e.where)]
     settings.out.mkdir(parents=True, exist_ok=True)
     records.ensure_sidecar(settings.out, records.sidecar(
-        settings.fmt, info, tokenizer=tokenizer_path, max_len=max_len))
+        settings.fmt, info, tokenizer=tokenizer_path, max_len=max_len, compress=settings.compress))
 
     report = Report(shard=str(shard), fmt=settings.fmt, out=str(settings.out),
                     dataset=str(dataset), server=settings.server)
     run = Extraction(settings, info, client)
     with Manifest(settings.out, shard) as manifest:
         done = load_done(settings.out)
-        remove_stale_temps(settings.out, {records.record_name(r.id) for r in rows})
+        remove_stale_temps(settings.out, {records.record_name(r.id, settings.fmt,
+                                                              settings.compress) for r in rows})
         run.sweep_dump_dir(r.id for r in rows)
         todo = [r for r in rows if r.id not in done]
         report.already_done = _check_done(dataset, [r for r in rows if r.id in done], done,
@@ -461,7 +509,15 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                    help="model dir or hub id for the tokenizer and chat template (default: the "
                         "server's tokenizer path from /model_info)")
     p.add_argument("--format", dest="fmt", choices=records.FORMATS, default="eagle3",
-                   help="record format (default eagle3)")
+                   help="record format: eagle3 (<id>.pt) or specforge (what SpecForge's offline "
+                        "training reads: rows_*/<id>.ckpt) (default eagle3)")
+    p.add_argument("--compress", action="store_true",
+                   help="gzip each record (.pt.gz / .ckpt.gz, as SpecForge's --compress) "
+                        "(default off)")
+    p.add_argument("--allow-no-final", action="store_true",
+                   help="let --format eagle3 run against a server that does not dump the "
+                        "post-final-norm state (records without final_hidden_state) (default "
+                        "off: refused)")
     p.add_argument("--max-len", type=int, default=None,
                    help="truncate samples to this many tokens (default: no limit)")
     p.add_argument("--rid-prefix", default=None,
@@ -480,7 +536,8 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                    help=f"first backoff in seconds, doubled per retry up to {_MAX_BACKOFF:g} "
                         f"(default {DEFAULT_RETRY_WAIT:g})")
     p.add_argument("--trust-remote-code", action="store_true",
-                   help="allow the tokenizer's custom code (default off)")
+                   help="allow the tokenizer's custom code, as Kimi-K2/K2.5's needs (default: "
+                        "off, unless the server itself runs with --trust-remote-code)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (default: shown)")
 
 
@@ -520,7 +577,8 @@ def settings_from_args(args: argparse.Namespace, out: Path, **overrides: Any) ->
         "server": args.server, "dump_dir": args.dump_dir, "out": out, "fmt": args.fmt,
         "request_timeout": args.request_timeout, "dump_timeout": args.dump_timeout,
         "retries": args.retries, "retry_wait": args.retry_wait,
-        "progress": not args.no_progress,
+        "progress": not args.no_progress, "compress": args.compress,
+        "allow_no_final": args.allow_no_final,
     }
     values.update(overrides)
     return Settings(**values)

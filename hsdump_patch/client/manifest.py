@@ -15,33 +15,16 @@ from pathlib import Path
 from typing import Any
 
 from hsdump_patch.client.dataset import Shard
-from hsdump_patch.client.records import RECORD_SUFFIX
-
-MANIFEST_GLOB = "manifest.*.jsonl"
+from hsdump_patch.reader import manifest_entries
 
 
 def manifest_path(out_dir: Path, shard: Shard) -> Path:
     return out_dir / f"manifest.{shard.tag}.jsonl"
 
 
-def _read_lines(path: Path) -> list[dict[str, Any]]:
-    entries = []
-    with open(path, "rb") as f:
-        for raw in f:
-            if not raw.endswith(b"\n"):  # a line cut by a crash: that sample is redone
-                break
-            entries.append(json.loads(raw))
-    return entries
-
-
 def load_done(out_dir: Path) -> dict[str, dict[str, Any]]:
     """Return ``id -> entry`` for every finished sample whose record exists (all shards)."""
-    done: dict[str, dict[str, Any]] = {}
-    for path in sorted(out_dir.glob(MANIFEST_GLOB)):
-        for entry in _read_lines(path):
-            if (out_dir / entry["file"]).is_file():
-                done[entry["id"]] = entry
-    return done
+    return {e["id"]: e for e in manifest_entries(out_dir) if (out_dir / e["file"]).is_file()}
 
 
 class Manifest:
@@ -87,13 +70,20 @@ class Manifest:
 
 
 def remove_stale_temps(out_dir: Path, record_names: set[str]) -> int:
-    """Delete temp files a killed run left for this shard's records; return how many."""
+    """Delete temp files a killed run left for these records (paths relative to ``out_dir``,
+    as :func:`~hsdump_patch.client.records.record_name` gives them); return how many."""
+    by_dir: dict[Path, set[str]] = {}
+    for rel in record_names:
+        by_dir.setdefault(out_dir / Path(rel).parent, set()).add(Path(rel).name)
     removed = 0
-    for name in os.listdir(out_dir):
-        if not name.startswith(".") or ".tmp-" not in name:
+    for directory, names in by_dir.items():
+        try:
+            entries = os.listdir(directory)
+        except FileNotFoundError:
             continue
-        final = name[1 : name.rindex(".tmp-")]
-        if final.endswith(RECORD_SUFFIX) and final in record_names:
-            (out_dir / name).unlink(missing_ok=True)
-            removed += 1
+        for name in entries:
+            if name.startswith(".") and ".tmp-" in name and \
+                    name[1 : name.rindex(".tmp-")] in names:
+                (directory / name).unlink(missing_ok=True)
+                removed += 1
     return removed

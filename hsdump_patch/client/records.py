@@ -1,26 +1,32 @@
 """Training records: the two output formats, their atomic writing and the sidecar metadata.
 
-``eagle3`` (default), one ``<id>.pt`` per sample::
+``eagle3`` (default, this project's format), one ``<name>.pt`` per sample::
 
     input_ids       [L] int64
     loss_mask       [L] int64 (1 on assistant tokens)
     hidden_states   list of K tensors [L, H], model dtype, in the order of ``layers``
     final_hidden_state  [L, H] (only when the server captures the post-final-norm state)
 
-``specforge`` (the keys SpecForge's offline trainer reads)::
+``specforge``: exactly what SpecForge's ``scripts/prepare_hidden_states.py`` writes and its
+offline trainer reads (``rows_<group>/<name>.ckpt``, or ``.ckpt.gz`` with ``--compress``)::
 
     input_ids, loss_mask   as above
-    aux_hidden_state       [L, K*H]: the K layers concatenated on the last dim, ``layers`` order
-    hidden_state           [L, H] post-final-norm state (only when captured)
+    aux_hidden_state       [1, L, K*H]: the K layers concatenated in ascending layer order
+    hidden_state           [1, L, H] post-final-norm state (required)
 
-Files load with ``torch.load(path, weights_only=True)``. ``hsdump-meta.json`` in the output
-directory says which model, layers, convention and versions produced them.
+Files load with :func:`hsdump_patch.reader.load_record` (``weights_only=True``). ``<name>`` is
+the sample id when it is short and plain, else a readable prefix + a hash of it (the manifest
+maps names back to ids). ``hsdump-meta.json`` in the output directory says which model, layers,
+convention and versions produced them.
 """
 
 from __future__ import annotations
 
+import gzip
+import hashlib
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,22 +34,57 @@ from typing import Any
 import torch
 
 from hsdump_patch import __version__, protocol
+from hsdump_patch.reader import load_record
+
+__all__ = ["load_record"]
 
 FORMATS = ("eagle3", "specforge")
+# Formats whose records need the post-final-norm state (SpecForge's target is lm_head of it;
+# eagle3 records without it cannot train a drafter either, see docs/client.md).
+NEEDS_FINAL = {"eagle3": "final_hidden_state", "specforge": "hidden_state"}
 META_FILE = "hsdump-meta.json"
 RECORD_SUFFIX = ".pt"
+SPECFORGE_SUFFIX = ".ckpt"
+GZIP_LEVEL = 6  # SpecForge's --compression-level default
 LAYER_CONVENTION = (
     "layers[i] = residual stream at the input of decoder layer i "
     "= HF transformers output_hidden_states[i] (0 = embeddings)"
 )
 FINAL_CONVENTION = "post-final-norm hidden state (the input of lm_head)"
 # Fields of the sidecar that must not change between runs writing into one directory.
-_STABLE_FIELDS = ("format", "model", "layers", "has_final", "hidden_size", "dtype")
+_STABLE_FIELDS = ("format", "model", "layers", "has_final", "hidden_size", "dtype", "compress")
+_PLAIN_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,79}")
+_HASHED_STEM = re.compile(r"-[0-9a-f]{16}$")
+_READABLE_LEN = 48
 
 
-def record_name(sample_id: str) -> str:
-    """File name of a sample's record: the id, percent-encoded into a safe name."""
-    return protocol.rid_dirname(sample_id) + RECORD_SUFFIX
+def record_stem(sample_id: str) -> str:
+    """A short, stable, filesystem-safe name for any id.
+
+    A plain id (``[A-Za-z0-9._-]``, at most 80 characters, no leading dot) is its own name;
+    any other id becomes ``<readable prefix>-<16 hex of its SHA-256>`` (at most 65 bytes), so
+    long and non-ASCII ids stay far below the 255-byte file-name limit. A plain id that looks
+    like a hashed name is hashed too, so two ids never share a name.
+    """
+    if _PLAIN_ID.fullmatch(sample_id) and not _HASHED_STEM.search(sample_id):
+        return sample_id
+    readable = re.sub(r"[^A-Za-z0-9_-]+", "_", sample_id)[:_READABLE_LEN].strip("_") or "id"
+    digest = hashlib.sha256(sample_id.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    return f"{readable}-{digest}"
+
+
+def record_name(sample_id: str, fmt: str = "eagle3", compress: bool = False) -> str:
+    """Path of a sample's record relative to the output directory (``/``-separated).
+
+    specforge records go to one of 256 groups ``rows_<2 hex>`` (a hash of the id) as
+    SpecForge groups its own files in ``rows_<a>-<b>`` directories; its loader lists
+    ``.ckpt`` / ``.ckpt.gz`` files recursively, whatever the directory names.
+    """
+    stem = record_stem(sample_id)
+    if fmt == "eagle3":
+        return stem + RECORD_SUFFIX + (".gz" if compress else "")
+    group = hashlib.sha256(sample_id.encode("utf-8", "surrogatepass")).hexdigest()[:2]
+    return f"rows_{group}/{stem}{SPECFORGE_SUFFIX}{'.gz' if compress else ''}"
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -52,6 +93,21 @@ def torch_dtype(name: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown dtype {name!r} in server.json")
     return dtype
+
+
+def check_format(fmt: str, info: protocol.ServerInfo, allow_no_final: bool = False) -> None:
+    """Refuse a format the server's dump cannot fill (raise ValueError saying how to fix it)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    if info.has_final or (fmt == "eagle3" and allow_no_final):
+        return
+    hint = (" (or pass --allow-no-final to write eagle3 records without it)"
+            if fmt == "eagle3" else "")
+    raise ValueError(
+        f"--format {fmt} needs the post-final-norm hidden state ({NEEDS_FINAL[fmt]}: the "
+        f"drafter's target distribution is lm_head of it), but the server of {info.model} does "
+        "not dump it (server.json: has_final false). Restart the server with "
+        f"SGLANG_HS_DUMP_FINAL=1 (the default; it was set to 0){hint}")
 
 
 class RecordBuilder:
@@ -67,6 +123,9 @@ class RecordBuilder:
             self.layers = [torch.empty(length, h, dtype=dtype) for _ in range(self.k)]
         else:
             self.aux = torch.empty(length, self.k, h, dtype=dtype)
+            # SGLang's EAGLE-3 serving concatenates the aux layers in ascending layer order.
+            order = sorted(range(self.k), key=lambda s: info.layers[s])
+            self.order = None if order == list(range(self.k)) else order
         self.final = torch.empty(length, h, dtype=dtype) if info.has_final else None
 
     def put(self, start: int, hidden: torch.Tensor) -> None:
@@ -75,8 +134,10 @@ class RecordBuilder:
         if self.fmt == "eagle3":
             for s, dst in enumerate(self.layers):
                 dst[start:end] = hidden[:, s]
-        else:
+        elif self.order is None:
             self.aux[start:end] = hidden[:, : self.k]
+        else:
+            self.aux[start:end] = hidden[:, self.order]
         if self.final is not None:
             self.final[start:end] = hidden[:, self.k]
 
@@ -90,19 +151,26 @@ class RecordBuilder:
             rec["hidden_states"] = self.layers
             if self.final is not None:
                 rec["final_hidden_state"] = self.final
-        else:
-            rec["aux_hidden_state"] = self.aux.view(self.aux.shape[0], -1)
-            if self.final is not None:
-                rec["hidden_state"] = self.final
+        else:  # SpecForge's batch dimension: [1, L, ...]
+            if self.final is None:
+                raise ValueError("specforge records need the post-final-norm state")
+            rec["aux_hidden_state"] = self.aux.view(1, self.aux.shape[0], -1)
+            rec["hidden_state"] = self.final.unsqueeze(0)
         return rec
 
 
-def save_atomic(record: dict[str, Any], path: Path) -> int:
-    """Write ``record`` to ``path`` (temp file, fsync, rename); return the bytes written."""
+def save_atomic(record: dict[str, Any], path: Path, compress: bool = False) -> int:
+    """Write ``record`` to ``path`` (temp file, fsync, rename; gzip when ``compress``); return
+    the bytes written. Creates the parent directory."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = protocol.temp_path(path)
     try:
         with open(tmp, "wb") as f:
-            torch.save(record, f)
+            if compress:
+                with gzip.GzipFile(fileobj=f, mode="wb", compresslevel=GZIP_LEVEL) as gz:
+                    torch.save(record, gz)
+            else:
+                torch.save(record, f)
             f.flush()
             os.fsync(f.fileno())
             size = f.tell()
@@ -113,20 +181,17 @@ def save_atomic(record: dict[str, Any], path: Path) -> int:
     return size
 
 
-def load_record(path: Path) -> dict[str, Any]:
-    """Load a record safely (no pickled code)."""
-    return torch.load(path, weights_only=True)
-
-
 def sidecar(fmt: str, info: protocol.ServerInfo, *, tokenizer: str | None,
-            max_len: int | None) -> dict[str, Any]:
+            max_len: int | None, compress: bool = False) -> dict[str, Any]:
     """The metadata describing every record of an output directory."""
     return {
         "format": fmt,
+        "compress": compress,
         "model": info.model,
         "architecture": info.architecture,
         "layers": list(info.layers),
         "layers_source": info.layers_source,
+        "aux_layer_order": sorted(info.layers) if fmt == "specforge" else list(info.layers),
         "layer_convention": LAYER_CONVENTION,
         "has_final": info.has_final,
         "final_convention": FINAL_CONVENTION if info.has_final else None,
@@ -148,6 +213,7 @@ def ensure_sidecar(out_dir: Path, meta: dict[str, Any]) -> None:
     path = out_dir / META_FILE
     if path.exists():
         old = json.loads(path.read_text())
+        old.setdefault("compress", False)  # sidecars written before --compress existed
         diff = [k for k in _STABLE_FIELDS if old.get(k) != meta[k]]
         if diff:
             shown = ", ".join(f"{k}: {old.get(k)!r} -> {meta[k]!r}" for k in diff)
