@@ -74,7 +74,8 @@ def start_dump_server(tmp: Path, model: Path, name: str, *, args: list[str] = ()
                       dump: bool = True) -> DumpServer:
     """Start a server for ``model``; with ``dump`` the patch is on, writing under ``tmp``."""
     dump_dir = tmp / f"dump-{name}"
-    full_env = {"SGLANG_HS_DUMP_DIR": str(dump_dir)} if dump else {}
+    # The final state is on by default; these servers add it only when asked (env).
+    full_env = {"SGLANG_HS_DUMP_DIR": str(dump_dir), "SGLANG_HS_DUMP_FINAL": "0"} if dump else {}
     full_env.update(env or {})
     server = srv.start(model, tmp / f"server-{name}.log", args=list(args), env=full_env, tp=tp)
     return DumpServer(server, dump_dir, model)

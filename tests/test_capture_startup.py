@@ -111,7 +111,7 @@ def test_config_defaults_and_draft_ids(tmp_path: Path):
                                "SGLANG_HS_DUMP_DRAFT_CONFIG": str(draft)})
     assert cfg is not None
     assert cfg.layers is None and cfg.draft_layer_ids == (1, 29, 57)
-    assert cfg.rid_prefix == "hsdump-" and not cfg.dump_final
+    assert cfg.rid_prefix == "hsdump-" and cfg.dump_final  # the final state is on by default
     assert cfg.max_inflight_bytes == 4 << 30 and cfg.writer_threads == 8
     draft.write_text(json.dumps({"eagle_config": {}}))
     with pytest.raises(ConfigError, match="no eagle_aux_hidden_state_layer_ids"):

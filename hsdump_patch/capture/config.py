@@ -163,7 +163,7 @@ class DumpConfig:
             draft_layer_ids=draft_ids,
             draft_config=draft_config,
             rid_prefix=prefix,
-            dump_final=_parse_bool(env.get(ENV_FINAL, "0"), ENV_FINAL),
+            dump_final=_parse_bool(env.get(ENV_FINAL, "1"), ENV_FINAL),
             max_inflight_bytes=max_inflight,
             min_free_bytes=min_free,
             writer_threads=int(threads_raw),
