@@ -105,15 +105,15 @@ def test_max_len_truncates_and_pre_tokenized_rows_pass_through(tmp_path, tokeniz
     ({"id": [1], "messages": []}, '"id" must be a string or an integer'),
     ({"text": "hello"}, 'needs "messages"'),
     ({"messages": []}, "non-empty list"),
-    ({"messages": [{"role": "user"}]}, 'with "role" and "content"'),
+    ({"messages": [{"role": "user"}]}, 'messages[0] has no "content"'),
     ({"messages": [{"role": "robot", "content": "x"}]}, "unknown role 'robot'"),
     ({"conversations": [{"from": "alien", "value": "x"}]}, "unknown speaker 'alien'"),
-    ({"messages": [{"role": "user", "content": 3}]}, "must be a string"),
+    ({"messages": [{"role": "user", "content": 3}]}, "must be a string, null or a list"),
     ({"input_ids": [1, 2], "loss_mask": [1]}, "has 1 entries"),
     ({"input_ids": [1, 2], "loss_mask": [1, 2]}, "only 0 and 1"),
     ({"input_ids": [1, "2"], "loss_mask": [1, 1]}, "list of integers"),
     ({"input_ids": [1, 2]}, 'needs "loss_mask"'),
-    ({"messages": [{"role": "user", "content": "only a question"}]}, "loss mask is all zeros"),
+    ({"messages": [{"role": "user", "content": "only a question"}]}, "no assistant turn after"),
 ])
 def test_malformed_rows_name_file_line_and_problem(tmp_path, tokenizer, row, problem):
     path = write_jsonl(tmp_path / "d.jsonl", [openai_row(CONV, id="good"), row])
@@ -136,16 +136,22 @@ def test_duplicate_ids_and_truncation_to_an_empty_mask_are_errors(tmp_path, toke
     assert "all zeros within the first 3 tokens (--max-len)" in str(items[0])
 
 
-def test_a_template_that_rewrites_earlier_turns_is_refused(tmp_path, tok_dir):
+def test_a_template_that_rewrites_earlier_turns_gives_one_sample_per_turn(tmp_path, tok_dir):
     tokenizer = fresh_tokenizer(tok_dir)
     tokenizer.chat_template = (  # drops the content of earlier assistant turns, like "thinking"
         "{% for m in messages %}<|{{ m['role'] }}|>{% if m['role'] != 'assistant' or loop.last %}"
         "{{ m['content'] }}{% endif %}</s>{% endfor %}"
         "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-    path = write_jsonl(tmp_path / "d.jsonl", [openai_row(CONV)])
-    (item,), _ = load_all(path, tokenizer)
-    assert isinstance(item, SampleError)
-    assert "renders the first 3 message(s) differently" in str(item)
+    path = write_jsonl(tmp_path / "d.jsonl", [openai_row(CONV, id="r")])
+    (first, second), _ = load_all(path, tokenizer)
+    # Each turn's prompt is its serving-time prompt: the second one has turn 1 emptied.
+    ids1, mask1 = reference(tokenizer, CONV[:3])
+    hollow = [("system", CONV[0][1]), ("user", CONV[1][1]), ("assistant", ""), *CONV[3:]]
+    ids2, _ = reference(tokenizer, hollow)
+    n = len(tokenizer.encode(CONV[4][1], add_special_tokens=False)) + 1  # + </s>
+    mask2 = [0] * (len(ids2) - n) + [1] * n
+    assert (first.id, first.input_ids, first.loss_mask) == ("r", ids1, mask1)
+    assert (second.id, second.input_ids, second.loss_mask) == ("r#4", ids2, mask2)
 
 
 def test_a_tokenizer_without_chat_template_is_refused(tok_dir):

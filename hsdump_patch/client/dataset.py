@@ -6,11 +6,10 @@ Accepted row shapes (one JSON object per line, blank lines ignored):
 * ``{"id": ..., "conversations": [{"from": "human", "value": "..."}, ...]}`` (ShareGPT style)
 * ``{"id": ..., "input_ids": [...], "loss_mask": [...]}`` (pre-tokenized)
 
-``id`` is optional (the 1-based line number is used instead). Chat rows are rendered with the
-model's own chat template; the loss mask is 1 exactly on the tokens of assistant turns, found
-from render boundaries: the text of the conversation up to an assistant turn (with the
-generation prompt) and up to its end are both prefixes of the whole rendering, and the tokens
-between them are that turn's tokens. This needs no ``{% generation %}`` tags.
+``id`` is optional (the 1-based line number is used instead). Chat rows (also with
+``tool_calls``, ``tool`` messages, ``reasoning_content``, list-of-parts content, a row-level
+``tools`` list and ``system``) are turned into serving-faithful samples by
+:mod:`hsdump_patch.client.conversation`; a row may give several samples (multi-turn policy).
 """
 
 from __future__ import annotations
@@ -22,15 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-# ShareGPT speaker names -> chat-template roles.
-SHAREGPT_ROLES = {
-    "human": "user", "user": "user",
-    "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "model": "assistant",
-    "bing": "assistant",
-    "system": "system",
-    "tool": "tool", "function": "tool", "observation": "tool",
-}
-CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
+from hsdump_patch.client.conversation import ChatRenderer, ConversationError, parse_conversation
+
 MAX_ID_CHARS = 200  # the id becomes a file name (percent-encoded)
 
 
@@ -129,7 +121,7 @@ def index_dataset(path: Path) -> tuple[list[RowRef], list[SampleError]]:
     """Read every line's id; return the rows and the lines that are malformed.
 
     Only JSON syntax, the id and id uniqueness are checked here; the shape of each row is
-    checked when it is loaded (:func:`load_sample`).
+    checked when it is loaded (:func:`load_samples`).
     """
     rows: list[RowRef] = []
     errors: list[SampleError] = []
@@ -163,139 +155,73 @@ def _int_list(value: Any, key: str, where: str) -> list[int]:
     return value
 
 
-def _messages(obj: dict[str, Any], where: str) -> list[dict[str, Any]]:
-    """Return the conversation as chat-template messages (role + content)."""
-    if "messages" in obj:
-        turns, role_key, text_key = obj["messages"], "role", "content"
-    else:
-        turns, role_key, text_key = obj["conversations"], "from", "value"
-    key = "messages" if "messages" in obj else "conversations"
-    if not isinstance(turns, list) or not turns:
-        raise SampleError(where, f'"{key}" must be a non-empty list of turns')
-    out = []
-    for k, turn in enumerate(turns):
-        if not isinstance(turn, dict) or role_key not in turn or text_key not in turn:
-            raise SampleError(
-                where, f'{key}[{k}] must be an object with "{role_key}" and "{text_key}"')
-        role, text = turn[role_key], turn[text_key]
-        if not isinstance(text, str):
-            raise SampleError(where, f'{key}[{k}].{text_key} must be a string')
-        if role_key == "from":
-            if role not in SHAREGPT_ROLES:
-                raise SampleError(where, f"{key}[{k}]: unknown speaker {role!r} (known: "
-                                  f"{', '.join(sorted(SHAREGPT_ROLES))})")
-            out.append({"role": SHAREGPT_ROLES[role], "content": text})
-        else:
-            if role not in CHAT_ROLES:
-                raise SampleError(where, f"{key}[{k}]: unknown role {role!r} (known: "
-                                  f"{', '.join(sorted(CHAT_ROLES))})")
-            out.append({**turn, "role": role, "content": text})
-    return out
+def _pretokenized(obj: dict[str, Any], where: str) -> tuple[list[int], list[int]]:
+    ids = _int_list(obj["input_ids"], "input_ids", where)
+    if "loss_mask" not in obj:
+        raise SampleError(where, 'a pre-tokenized row needs "loss_mask" next to "input_ids"')
+    mask = _int_list(obj["loss_mask"], "loss_mask", where)
+    if len(mask) != len(ids):
+        raise SampleError(where, f'"loss_mask" has {len(mask)} entries but "input_ids" '
+                          f"has {len(ids)}")
+    if any(v not in (0, 1) for v in mask):
+        raise SampleError(where, '"loss_mask" must contain only 0 and 1')
+    return ids, mask
 
 
-class ChatRenderer:
-    """Turns a conversation into token ids and an assistant-token loss mask."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError(
-                "the model's tokenizer has no chat template: chat rows cannot be rendered; "
-                'pre-tokenize the dataset into {"id", "input_ids", "loss_mask"} rows instead')
-        self.tokenizer = tokenizer
-
-    def _render(self, messages: Sequence[dict[str, Any]], generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=generation_prompt)
-
-    def _encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    def render(self, messages: Sequence[dict[str, Any]], where: str) -> tuple[list[int], list[int]]:
-        """Return ``(input_ids, loss_mask)`` for a conversation."""
-        try:
-            full = self._render(messages, False)
-            ids = self._encode(full)
-            mask = [0] * len(ids)
-            for i, m in enumerate(messages):
-                if m["role"] != "assistant":
-                    continue
-                start = self._render(messages[:i], True) if i else ""
-                end = self._render(messages[: i + 1], False)
-                lo = self._token_boundary(full, ids, start, i, where)
-                hi = self._token_boundary(full, ids, end, i + 1, where)
-                mask[lo:hi] = [1] * (hi - lo)
-        except SampleError:
-            raise
-        except Exception as e:  # template errors come as jinja2 / ValueError / TypeError
-            raise SampleError(where, f"the chat template failed on this row: {e}") from None
-        return ids, mask
-
-    def _token_boundary(self, full: str, ids: list[int], prefix: str, n_msgs: int,
-                        where: str) -> int:
-        if not full.startswith(prefix):
-            raise SampleError(
-                where, f"the chat template renders the first {n_msgs} message(s) differently "
-                "from the same messages inside the whole conversation (it rewrites earlier "
-                "turns), so assistant tokens cannot be located; pre-tokenize this dataset")
-        if len(prefix) == len(full):
-            return len(ids)
-        head = self._encode(prefix)
-        if ids[: len(head)] != head:
-            raise SampleError(
-                where, f"the end of the first {n_msgs} rendered message(s) falls inside a "
-                "token of the whole conversation, so the assistant tokens are ambiguous; "
-                "pre-tokenize this dataset")
-        return len(head)
+def _chat(obj: dict[str, Any], renderer: ChatRenderer | None,
+          where: str) -> list[tuple[str, list[int], list[int]]]:
+    if renderer is None:
+        raise SampleError(where, "chat rows need the model's tokenizer (--model)")
+    try:
+        return [(t.suffix, t.input_ids, t.loss_mask)
+                for t in renderer.render(parse_conversation(obj))]
+    except ConversationError as e:
+        raise SampleError(where, str(e)) from None
+    except Exception as e:  # template errors come as jinja2 / ValueError / TypeError
+        raise SampleError(where, f"the chat template failed on this row: {e}") from None
 
 
-def load_sample(f: BinaryIO, path: Path, ref: RowRef, renderer: ChatRenderer | None,
-                max_len: int | None) -> Sample:
-    """Read (from the open file ``f``), validate and tokenize one row.
+def load_samples(f: BinaryIO, path: Path, ref: RowRef, renderer: ChatRenderer | None,
+                 max_len: int | None) -> list[Sample]:
+    """Read (from the open file ``f``), validate and tokenize one row into its samples.
 
-    Raises :class:`SampleError` naming file and line.
+    A chat row gives one sample per the multi-turn policy, or several (ids ``<id>``,
+    ``<id>#<message index>``). Raises :class:`SampleError` naming file and line.
     """
     where = f"{path}:{ref.line}"
     f.seek(ref.offset)
+    out = []
     try:
         obj = _parse_line(f.readline(), where)
         if "input_ids" in obj:
-            ids = _int_list(obj["input_ids"], "input_ids", where)
-            if "loss_mask" not in obj:
-                raise SampleError(
-                    where, 'a pre-tokenized row needs "loss_mask" next to "input_ids"')
-            mask = _int_list(obj["loss_mask"], "loss_mask", where)
-            if len(mask) != len(ids):
-                raise SampleError(where, f'"loss_mask" has {len(mask)} entries but "input_ids" '
-                                  f"has {len(ids)}")
-            if any(v not in (0, 1) for v in mask):
-                raise SampleError(where, '"loss_mask" must contain only 0 and 1')
+            parts = [("", *_pretokenized(obj, where))]
         elif "messages" in obj or "conversations" in obj:
-            if renderer is None:
-                raise SampleError(where, "chat rows need the model's tokenizer (--model)")
-            ids, mask = renderer.render(_messages(obj, where), where)
+            parts = _chat(obj, renderer, where)
         else:
             raise SampleError(where, 'a row needs "messages" (OpenAI style), "conversations" '
                               '(ShareGPT style) or "input_ids" + "loss_mask" (pre-tokenized)')
-        if max_len is not None:
-            ids, mask = ids[:max_len], mask[:max_len]
-        if not ids:
-            raise SampleError(where, "the sample has no tokens")
-        if not any(mask):
-            cut = f" within the first {max_len} tokens (--max-len)" if max_len else ""
-            raise SampleError(where, f"the loss mask is all zeros{cut}: the sample has no "
-                              "assistant tokens to train on")
+        for suffix, ids, mask in parts:
+            if max_len is not None:
+                ids, mask = ids[:max_len], mask[:max_len]
+            if not ids:
+                raise SampleError(where, "the sample has no tokens")
+            if not any(mask):
+                cut = f" within the first {max_len} tokens (--max-len)" if max_len else ""
+                raise SampleError(where, f"the loss mask is all zeros{cut}: the sample has no "
+                                  "assistant tokens to train on")
+            out.append(Sample(ref.id + suffix, where, ids, mask))
     except SampleError as e:
         e.sample_id = ref.id
         raise
-    return Sample(ref.id, where, ids, mask)
+    return out
 
 
 def iter_samples(path: Path, refs: Sequence[RowRef], renderer: ChatRenderer | None,
                  max_len: int | None) -> Iterator[Sample | SampleError]:
-    """Yield each referenced row as a Sample, or the SampleError explaining why it is bad."""
+    """Yield each referenced row's Samples, or the SampleError explaining why it is bad."""
     with open(path, "rb") as f:
         for ref in refs:
             try:
-                yield load_sample(f, path, ref, renderer, max_len)
+                yield from load_samples(f, path, ref, renderer, max_len)
             except SampleError as e:
                 yield e

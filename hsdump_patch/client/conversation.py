@@ -1,0 +1,335 @@
+"""Chat rows -> serving-faithful samples: token ids plus a loss mask on what the model generates.
+
+A row's conversation is normalized (:func:`parse_conversation`) from the shapes real agent and
+thinking datasets use, then each trained assistant turn becomes what the served model sees and
+produces:
+
+* its **prompt** is exactly the serving-time prompt (:func:`render_prompt`): the chat template
+  applied to the messages before the turn with the generation prompt, then encoded;
+* its **completion** is the turn as the model emits it after that prompt: reasoning inside the
+  model's own think markers, content, tool calls, end of turn. It is built from the template's
+  rendering of the turn, with the think block rebuilt from the markers when the template empties
+  it (Kimi-K2.5 renders the last plain answer as ``<think></think>``) and with the opening marker
+  left out when the generation prompt already opened it.
+
+How turns become samples is the multi-turn policy (:data:`POLICIES`, docs/client.md):
+``auto`` makes one sample with every turn masked when each turn's prompt + completion is a prefix
+of the next turn's prompt and the token stream agrees, else one sample per turn; ``per-turn``
+always makes one sample per turn; ``last`` only the last turn.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+POLICIES = ("auto", "per-turn", "last")
+# ShareGPT speaker names -> chat-template roles.
+SHAREGPT_ROLES = {
+    "human": "user", "user": "user",
+    "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "model": "assistant",
+    "bing": "assistant",
+    "system": "system",
+    "tool": "tool", "function": "tool", "observation": "tool",
+}
+CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
+_PROBE = [{"role": "user", "content": "x"}]
+
+
+class ConversationError(ValueError):
+    """A conversation cannot be turned into samples; the message says what and how to fix it."""
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """Chat-template messages and the row's tool declarations."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+
+
+@dataclass(frozen=True)
+class ThinkMarkers:
+    """The model's reasoning delimiters, as its SGLang reasoning parser knows them."""
+
+    start: str
+    end: str
+
+    @classmethod
+    def from_reasoning_parser(cls, name: str) -> ThinkMarkers:
+        """Markers of SGLang's reasoning parser ``name`` (``--reasoning-parser`` of the server).
+
+        Source: sglang 0.5.23, sglang/srt/parser/reasoning_parser.py (``ReasoningParser``
+        and its detectors; ``kimi_k2`` -> ``<think>`` / ``</think>``).
+        """
+        from sglang.srt.parser.reasoning_parser import ReasoningParser
+
+        detector = ReasoningParser(name).detector
+        return cls(detector.think_start_token, detector.think_end_token)
+
+    @classmethod
+    def from_vocab(cls, tokenizer: Any) -> ThinkMarkers | None:
+        """``<think>`` / ``</think>`` when both are single tokens of the tokenizer, else None."""
+        vocab = tokenizer.get_vocab()
+        if "<think>" in vocab and "</think>" in vocab:
+            return cls("<think>", "</think>")
+        return None
+
+
+@dataclass(frozen=True)
+class TurnSample:
+    """One training sample of a row; ``suffix`` is appended to the row id ("" for the first)."""
+
+    suffix: str
+    input_ids: list[int]
+    loss_mask: list[int]
+
+
+def _text(value: Any, where: str) -> str | None:
+    """Message content as text: a string, None, or a list of ``{"type": "text"}`` parts."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        parts = []
+        for i, part in enumerate(value):
+            if isinstance(part, str):
+                parts.append(part)
+            elif isinstance(part, dict) and part.get("type") == "text" and isinstance(
+                    part.get("text"), str):
+                parts.append(part["text"])
+            else:
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise ConversationError(
+                    f"{where}[{i}] is a {kind!r} part; only text parts "
+                    '({"type": "text", "text": ...}) can be rendered')
+        return "".join(parts)
+    raise ConversationError(f"{where} must be a string, null or a list of text parts")
+
+
+def _tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
+    if not isinstance(value, list) or not all(
+            isinstance(c, dict) and isinstance(c.get("function"), dict)
+            and isinstance(c["function"].get("name"), str) for c in value):
+        raise ConversationError(
+            f'{where} must be a list of {{"function": {{"name": ..., "arguments": ...}}}}')
+    return value
+
+
+def _tools(value: Any) -> list[dict[str, Any]] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):  # some datasets store the declarations as a JSON string
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ConversationError(f'"tools" is a string but not JSON ({e})') from None
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise ConversationError('"tools" must be a list of tool declarations (objects)')
+    # A bare function declaration gets the OpenAI wrapper the templates expect.
+    return [t if "function" in t else {"type": "function", "function": t} for t in value] or None
+
+
+def parse_conversation(obj: dict[str, Any]) -> Conversation:
+    """Normalize a row's ``messages`` / ``conversations`` (+ ``tools``, ``system``)."""
+    key = "messages" if "messages" in obj else "conversations"
+    turns = obj[key]
+    if not isinstance(turns, list) or not turns:
+        raise ConversationError(f'"{key}" must be a non-empty list of turns')
+    out: list[dict[str, Any]] = []
+    for k, turn in enumerate(turns):
+        where = f"{key}[{k}]"
+        if not isinstance(turn, dict):
+            raise ConversationError(f"{where} must be an object")
+        if "from" in turn:  # ShareGPT keys; "conversations" rows may also use role/content
+            speaker = turn["from"]
+            if speaker not in SHAREGPT_ROLES:
+                raise ConversationError(f"{where}: unknown speaker {speaker!r} (known: "
+                                        f"{', '.join(sorted(SHAREGPT_ROLES))})")
+            msg = {k2: v for k2, v in turn.items() if k2 not in ("from", "value")}
+            msg.update(role=SHAREGPT_ROLES[speaker], content=turn.get("value"))
+        elif "role" in turn:
+            role = turn["role"]
+            role = SHAREGPT_ROLES.get(role, role) if key == "conversations" else role
+            if role not in CHAT_ROLES:
+                raise ConversationError(f"{where}: unknown role {role!r} (known: "
+                                        f"{', '.join(sorted(CHAT_ROLES))})")
+            msg = {**turn, "role": role}
+        else:
+            raise ConversationError(f'{where} needs "role" (or ShareGPT "from")')
+        msg["content"] = _text(msg.get("content"), f"{where}.content")
+        if msg.get("tool_calls") is not None:
+            msg["tool_calls"] = _tool_calls(msg["tool_calls"], f"{where}.tool_calls")
+        elif msg["content"] is None:
+            raise ConversationError(f'{where} has no "content" (null is allowed only next to '
+                                    '"tool_calls")')
+        if "reasoning" in msg and "reasoning_content" not in msg:
+            msg["reasoning_content"] = msg.pop("reasoning")
+        if msg.get("reasoning_content") is not None and not isinstance(
+                msg["reasoning_content"], str):
+            raise ConversationError(f"{where}.reasoning_content must be a string")
+        if msg["content"] is None:
+            msg["content"] = ""  # OpenAI tool-call turns; every template renders "" as nothing
+        out.append(msg)
+    system = obj.get("system")
+    if system is not None:
+        if not isinstance(system, str):
+            raise ConversationError('"system" must be a string')
+        if out[0]["role"] == "system":
+            raise ConversationError('the row has both a top-level "system" and a system '
+                                    "message; keep one")
+        out.insert(0, {"role": "system", "content": system})
+    return Conversation(out, _tools(obj.get("tools")))
+
+
+def prompt_text(tokenizer: Any, messages: Sequence[dict[str, Any]],
+                tools: list[dict[str, Any]] | None = None) -> str:
+    """The serving-time prompt text before the next assistant turn."""
+    return tokenizer.apply_chat_template(list(messages), tools=tools, tokenize=False,
+                                         add_generation_prompt=True)
+
+
+def encode(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of ``text`` as the server encodes a rendered prompt (no added specials)."""
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def render_prompt(tokenizer: Any, messages: Sequence[dict[str, Any]],
+                  tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """The prompt ids of the assistant turn that follows ``messages``, as the server sees them.
+
+    The one place a turn's prompt is made: extraction and ``hsdump regenerate`` both use it.
+    """
+    return encode(tokenizer, prompt_text(tokenizer, messages, tools))
+
+
+class ChatRenderer:
+    """Turns a conversation into serving-faithful samples under a multi-turn policy."""
+
+    def __init__(self, tokenizer: Any, think: ThinkMarkers | None = None,
+                 policy: str = "auto") -> None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                "the model's tokenizer has no chat template: chat rows cannot be rendered; "
+                'pre-tokenize the dataset into {"id", "input_ids", "loss_mask"} rows instead')
+        if policy not in POLICIES:
+            raise ValueError(f"multi-turn policy {policy!r}: choose one of {', '.join(POLICIES)}")
+        self.tokenizer = tokenizer
+        self.think = think if think is not None else ThinkMarkers.from_vocab(tokenizer)
+        self.policy = policy
+        base = self._render(_PROBE, False)
+        with_prompt = self._render(_PROBE, True)
+        if not with_prompt.startswith(base) or with_prompt == base:
+            raise ValueError("the chat template's generation prompt is not appended to the "
+                             "conversation; chat rows cannot be rendered, pre-tokenize them")
+        gen = with_prompt[len(base):]
+        # The assistant header: the generation prompt without a think block it opens.
+        self.opens_think = bool(self.think and gen.endswith(self.think.start))
+        self.header = gen[: -len(self.think.start)] if self.opens_think else gen
+
+    def _render(self, messages: Sequence[dict[str, Any]], generation_prompt: bool,
+                tools: list[dict[str, Any]] | None = None) -> str:
+        return self.tokenizer.apply_chat_template(
+            list(messages), tools=tools, tokenize=False, add_generation_prompt=generation_prompt)
+
+    def completion_text(self, conv: Conversation, k: int, prompt: str) -> str:
+        """Assistant message ``k`` as the model emits it after ``prompt``."""
+        msg = conv.messages[k]
+        whole = self._render(conv.messages[: k + 1], False, conv.tools)
+        at = whole.rfind(self.header)
+        if at < 0:
+            raise ConversationError(
+                f"messages[{k}]: the template's rendering of this assistant turn does not start "
+                f"with its generation prompt {self.header!r}")
+        turn = whole[at + len(self.header):]
+        reasoning = msg.get("reasoning_content") or ""
+        think = self.think
+        block, rest = "", turn
+        if think and turn.lstrip().startswith(think.start) and think.end in turn:
+            open_at = turn.index(think.start)
+            close_at = turn.index(think.end, open_at)
+            inner = turn[open_at + len(think.start):close_at]
+            if reasoning.strip() and not inner.strip():
+                inner = reasoning  # the template emptied the reasoning of this turn
+            block, rest = think.start + inner + think.end, turn[close_at + len(think.end):]
+        elif reasoning.strip() and reasoning.strip() not in turn:
+            if not think:
+                raise ConversationError(
+                    f"messages[{k}] has reasoning_content but the template drops it and the "
+                    "model's think markers are unknown; pass --reasoning-parser")
+            block = think.start + reasoning + think.end
+        text = block + rest
+        if self.opens_think and prompt.endswith(think.start):  # type: ignore[union-attr]
+            # The prompt opened the think block: the model continues inside it.
+            text = text[len(think.start):] if text.startswith(think.start) else think.end + text
+        return text
+
+    def _turns(self, conv: Conversation) -> list[int]:
+        """Indices of trained assistant turns: those after the first user message."""
+        first_user = next((i for i, m in enumerate(conv.messages) if m["role"] == "user"), None)
+        if first_user is None:
+            raise ConversationError("the conversation has no user message, so no assistant "
+                                    "turn answers anything; nothing to train on")
+        turns = [i for i, m in enumerate(conv.messages)
+                 if m["role"] == "assistant" and i > first_user]
+        if not turns:
+            raise ConversationError("the conversation has no assistant turn after a user "
+                                    "message; nothing to train on")
+        return turns
+
+    def _completion(self, conv: Conversation, k: int, prompt: str) -> tuple[str, list[int]]:
+        """Completion text and ids; a regenerated turn's ``token_ids`` are used verbatim."""
+        ids = conv.messages[k].get("token_ids")
+        if ids is not None:
+            if not isinstance(ids, list) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in ids) or not ids:
+                raise ConversationError(f"messages[{k}].token_ids must be a non-empty list of "
+                                        "integers")
+            return self.tokenizer.decode(ids), ids
+        text = self.completion_text(conv, k, prompt)
+        ids = encode(self.tokenizer, text)
+        if self.tokenizer.decode(ids) != text:
+            raise ConversationError(f"messages[{k}]: the completion tokens do not decode back "
+                                    "to the completion text; its mask would misalign")
+        return text, ids
+
+    def render(self, conv: Conversation) -> list[TurnSample]:
+        """The samples of one conversation under the policy."""
+        turns = self._turns(conv)
+        if self.policy == "last":
+            turns = turns[-1:]
+        prompts = [prompt_text(self.tokenizer, conv.messages[:k], conv.tools) for k in turns]
+        completions = [self._completion(conv, k, p) for k, p in zip(turns, prompts, strict=True)]
+        if self.policy == "auto" and len(turns) > 1:
+            single = self._single(prompts, completions)
+            if single is not None:
+                return [single]
+        out = []
+        for n, (k, prompt, (_, c_ids)) in enumerate(zip(turns, prompts, completions, strict=True)):
+            p_ids = encode(self.tokenizer, prompt)
+            out.append(TurnSample("" if n == 0 else f"#{k}", p_ids + c_ids,
+                                  [0] * len(p_ids) + [1] * len(c_ids)))
+        return out
+
+    def _single(self, prompts: list[str],
+                completions: list[tuple[str, list[int]]]) -> TurnSample | None:
+        """One sample with every turn masked, if the serving prompts are prefixes of one stream.
+
+        Each turn's prompt + completion must be a text prefix of the next prompt, and the
+        pieces' tokens must equal the tokens of the whole text encoded at once (so every prompt
+        ends on a token boundary and every masked token is the token the stream has there).
+        """
+        ids: list[int] = []
+        mask: list[int] = []
+        done = 0  # characters of the stream covered so far
+        for n, (prompt, (c_text, c_ids)) in enumerate(zip(prompts, completions, strict=True)):
+            if n and not prompt.startswith(prompts[n - 1] + completions[n - 1][0]):
+                return None
+            head = encode(self.tokenizer, prompt[done:])
+            ids += head + c_ids
+            mask += [0] * len(head) + [1] * len(c_ids)
+            done = len(prompt) + len(c_text)
+        if encode(self.tokenizer, prompts[-1] + completions[-1][0]) != ids:
+            return None
+        return TurnSample("", ids, mask)
