@@ -4,7 +4,7 @@ A row's conversation is normalized (:func:`parse_conversation`) from the shapes 
 thinking datasets use, then each trained assistant turn becomes what the served model sees and
 produces:
 
-* its **prompt** is exactly the serving-time prompt (:func:`render_prompt`): the chat template
+* its **prompt** is exactly the serving-time prompt (:func:`prompt_ids`): the chat template
   applied to the messages before the turn with the generation prompt, then encoded;
 * its **completion** is the turn as the model emits it after that prompt: reasoning inside the
   model's own think markers, content, tool calls, end of turn. It is built from the template's
@@ -195,7 +195,7 @@ def encode(tokenizer: Any, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def render_prompt(tokenizer: Any, messages: Sequence[dict[str, Any]],
+def prompt_ids(tokenizer: Any, messages: Sequence[dict[str, Any]],
                   tools: list[dict[str, Any]] | None = None) -> list[int]:
     """The prompt ids of the assistant turn that follows ``messages``, as the server sees them.
 
