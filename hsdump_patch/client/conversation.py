@@ -333,3 +333,16 @@ class ChatRenderer:
         if encode(self.tokenizer, prompts[-1] + completions[-1][0]) != ids:
             return None
         return TurnSample("", ids, mask)
+
+
+def chat_renderer(tokenizer: Any, policy: str = "auto",
+                  reasoning_parser: str | None = None) -> ChatRenderer | None:
+    """The renderer for chat rows, or None when the tokenizer has no chat template.
+
+    Think markers come from SGLang's reasoning parser ``reasoning_parser`` (the server's
+    ``--reasoning-parser``); without one, ``<think>`` / ``</think>`` when both are tokens.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    think = ThinkMarkers.from_reasoning_parser(reasoning_parser) if reasoning_parser else None
+    return ChatRenderer(tokenizer, think, policy)

@@ -28,8 +28,8 @@ from tqdm import tqdm
 from hsdump_patch import protocol
 from hsdump_patch.capture.config import DEFAULT_RID_PREFIX, ENV_DIR, ConfigError, parse_size
 from hsdump_patch.client import assemble, records
+from hsdump_patch.client.conversation import POLICIES, ChatRenderer, chat_renderer
 from hsdump_patch.client.dataset import (
-    ChatRenderer,
     RowRef,
     Sample,
     SampleError,
@@ -443,14 +443,16 @@ def load_tokenizer(model: str, trust_remote_code: bool, server_trusts: bool = Fa
 
 def extract(settings: Settings, dataset: Path, *, shard: Shard | None = None,
             model: str | None = None, max_len: int | None = None, rid_prefix: str | None = None,
-            trust_remote_code: bool = False) -> Report:
+            trust_remote_code: bool = False, multi_turn: str = "auto",
+            reasoning_parser: str | None = None) -> Report:
     """Run one extraction; return its report."""
     shard = shard or Shard()
     client, model_info, info = connect(settings, rid_prefix)
     tokenizer_path = model or model_info.get("tokenizer_path") or info.model
     tokenizer = load_tokenizer(tokenizer_path, trust_remote_code,
                                bool(client.server_args().get("trust_remote_code")))
-    renderer = ChatRenderer(tokenizer) if getattr(tokenizer, "chat_template", None) else None
+    renderer = chat_renderer(tokenizer, multi_turn,
+                             reasoning_parser or client.server_args().get("reasoning_parser"))
 
     rows, bad_rows = index_dataset(dataset)
     rows = [r for r in rows if shard.contains(r.id)]
@@ -538,6 +540,15 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trust-remote-code", action="store_true",
                    help="allow the tokenizer's custom code, as Kimi-K2/K2.5's needs (default: "
                         "off, unless the server itself runs with --trust-remote-code)")
+    p.add_argument("--multi-turn", choices=POLICIES, default="auto",
+                   help="samples of a multi-turn chat row: auto (one sample with every "
+                        "assistant turn trained when each turn's serving prompt extends the "
+                        "previous one, else one per turn), per-turn, or last (docs/client.md) "
+                        "(default auto)")
+    p.add_argument("--reasoning-parser", default=None,
+                   help="SGLang reasoning parser whose think markers wrap reasoning_content, "
+                        "e.g. kimi_k2 (default: the server's --reasoning-parser, else <think> / "
+                        "</think> when both are tokens)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (default: shown)")
 
 
@@ -594,7 +605,8 @@ def main(args: argparse.Namespace) -> int:
             max_consecutive_errors=args.max_consecutive_errors)
         report = extract(settings, args.dataset, shard=args.shard, model=args.model,
                          max_len=args.max_len, rid_prefix=args.rid_prefix,
-                         trust_remote_code=args.trust_remote_code)
+                         trust_remote_code=args.trust_remote_code, multi_turn=args.multi_turn,
+                         reasoning_parser=args.reasoning_parser)
     except (ServerDown, protocol.ProtocolError, ConfigError, ValueError, RuntimeError,
             OSError) as e:
         print(f"hsdump extract: error: {e}", file=sys.stderr)
