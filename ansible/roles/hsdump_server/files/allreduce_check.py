@@ -1,4 +1,4 @@
-"""All-reduce check for hsdump_smoke: every rank sums a buffer; the result must be exact.
+"""All-reduce check run by hsdump_server before the server starts: every rank sums a buffer; the result must be exact.
 
 Run with ``python3 -m torch.distributed.run --standalone --nproc-per-node N allreduce_check.py --backend nccl --mib 64``.
 Prints one JSON line from rank 0 (size, time, bus bandwidth); exits non-zero on a wrong sum.
