@@ -62,8 +62,9 @@ def rid_dirs(server, ids) -> list[str]:
     return sorted(set(os.listdir(server.dump_dir)) & names)
 
 
-def record_files(out: Path) -> list[str]:
-    return sorted(p.name for p in out.glob("*.pt"))
+def record_files(out: Path, fmt: str = "eagle3") -> list[str]:
+    pattern = "*.pt" if fmt == "eagle3" else "rows_*/*.ckpt"
+    return sorted(p.relative_to(out).as_posix() for p in out.glob(pattern))
 
 
 def hf_reference(model, ids: list[int]) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
@@ -117,12 +118,12 @@ def test_records_equal_hf_reference_in_both_formats_at_16_way_concurrency(
         rep = read_report(out)
         assert (rep["ok"], rep["failed"], rep["skipped"]) == (len(rows), 0, 0)
         assert rep["max_chunks"] >= 8  # "long" went through chunked prefill
-        assert record_files(out) == sorted(f"{r['id']}.pt" for r in rows)
+        assert record_files(out, fmt) == sorted(records.record_name(r["id"], fmt) for r in rows)
         assert rid_dirs(dump_server, [r["id"] for r in rows]) == []
         meta = json.loads((out / records.META_FILE).read_text())
         assert (meta["format"], meta["layers"], meta["has_final"]) == (fmt, list(info.layers), True)
         for row in rows:
-            rec = torch.load(out / f"{row['id']}.pt", weights_only=True)
+            rec = torch.load(out / records.record_name(row["id"], fmt), weights_only=True)
             if "input_ids" in row:
                 ids, mask = row["input_ids"], row["loss_mask"]
             else:
@@ -138,13 +139,14 @@ def test_records_equal_hf_reference_in_both_formats_at_16_way_concurrency(
             if fmt == "eagle3":
                 layers = rec["hidden_states"]
                 got_final = rec["final_hidden_state"]
-            else:
+            else:  # SpecForge's batch dimension; layers concatenated in ascending order
                 k_h = len(info.layers) * info.hidden_size
-                assert rec["aux_hidden_state"].shape == (len(ids), k_h)
-                layers = rec["aux_hidden_state"].split(info.hidden_size, dim=-1)
-                got_final = rec["hidden_state"]
+                assert rec["aux_hidden_state"].shape == (1, len(ids), k_h)
+                layers = rec["aux_hidden_state"][0].split(info.hidden_size, dim=-1)
+                got_final = rec["hidden_state"][0]
             assert len(layers) == len(info.layers)
-            for got, layer in zip(layers, info.layers, strict=True):
+            order = info.layers if fmt == "eagle3" else sorted(info.layers)
+            for got, layer in zip(layers, order, strict=True):
                 assert got.dtype == torch.bfloat16 and got.shape == (len(ids), info.hidden_size)
                 worst = max(worst, rel_err(got, states[layer]))
             worst = max(worst, rel_err(got_final, final))
@@ -325,3 +327,77 @@ def test_make_smoke_on_its_own_starts_and_stops_a_local_server(tmp_path):
     assert "hsdump smoke: PASS" in r.stdout and "smoke: server stopped" in r.stdout
     assert json.loads((tmp_path / "report.json").read_text())["passed"]
     assert "hsdump: capturing the residual stream" in (tmp_path / "server.log").read_text()
+
+
+CUSTOM_TOKENIZER = '''
+from transformers import PreTrainedTokenizerFast
+
+
+class CustomCodeTokenizer(PreTrainedTokenizerFast):
+    """Like Kimi's TikTokenTokenizer: a class shipped as code in the model dir."""
+
+    custom_code_marker = True
+'''
+
+
+def custom_code_tokenizer(model: Path, dest: Path) -> Path:
+    """A copy of ``model``'s tokenizer that only loads through its own code (auto_map)."""
+    shutil.copytree(model, dest, ignore=shutil.ignore_patterns("*.safetensors", "*.bin"))
+    (dest / "tokenization_custom.py").write_text(CUSTOM_TOKENIZER)
+    cfg = json.loads((dest / "tokenizer_config.json").read_text())
+    cfg.update(tokenizer_class="CustomCodeTokenizer",
+               auto_map={"AutoTokenizer": [None, "tokenization_custom.CustomCodeTokenizer"]})
+    (dest / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return dest
+
+
+def test_custom_code_tokenizer_needs_trust_and_the_error_names_the_flag(tmp_path, llama_server):
+    from hsdump_patch.client.extract import ServerClient, load_tokenizer
+
+    tok_dir = custom_code_tokenizer(llama_server.model, tmp_path / "tok")
+    rows = pre_tokenized(2, seed=21, prefix="tr")
+    rows.append(openai_row(CONV[:3], id="chat"))  # rendered with the custom-code tokenizer
+    dataset = write_jsonl(tmp_path / "d.jsonl", rows)
+    r = subprocess.run([sys.executable, "-m", "hsdump_patch.cli", "extract", "--server",
+                        llama_server.url, "--dump-dir", str(llama_server.dump_dir), "--dataset",
+                        str(dataset), "--out", str(tmp_path / "off"), "--model", str(tok_dir),
+                        "--no-progress"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1
+    assert "needs its own code" in r.stderr and "add --trust-remote-code" in r.stderr, r.stderr
+    # The server's own setting is read from /server_info (this one does not trust custom code).
+    args = ServerClient(llama_server.url, request_timeout=30, retries=0,
+                        retry_wait=0).server_args()
+    assert args["trust_remote_code"] is False
+
+    out = tmp_path / "on"
+    assert extract(llama_server, dataset, out, "--model", str(tok_dir),
+                   "--trust-remote-code") == 0
+    assert read_report(out)["ok"] == len(rows)
+    assert json.loads((out / records.META_FILE).read_text())["trust_remote_code"] is True
+    tok = load_tokenizer(str(tok_dir), True)
+    assert type(tok).__name__ == "CustomCodeTokenizer" and tok.custom_code_marker
+    plain = load_tokenizer(str(llama_server.model), False)
+    rec = records.load_record(out / records.record_name("chat"))
+    assert rec["input_ids"].tolist() == reference(plain, CONV[:3])[0]  # same tokens either way
+
+
+def test_one_samples_local_error_never_stops_a_skip_run(tmp_path, llama_server):
+    """A record that cannot be written (its name is taken by a directory), a sample the server
+    rejects (longer than its context) and a bad row are listed; every other sample is written."""
+    rows = pre_tokenized(6, seed=22, prefix="le")
+    rows[1]["id"] = "blocked"
+    rows[3] = {"id": "too-long", "input_ids": [11] * 5000, "loss_mask": [1] * 5000}
+    dataset = write_jsonl(tmp_path / "d.jsonl", [*rows[:4], "{not json", *rows[4:]])
+    out = tmp_path / "out"
+    (out / records.record_name("blocked") / "x").mkdir(parents=True)
+    assert extract(llama_server, dataset, out, "--on-error", "skip", "--concurrency", "4") == 3
+    rep = read_report(out)
+    assert (rep["ok"], rep["failed"], rep["skipped"], rep["stopped"]) == (4, 2, 1, None)
+    reasons = {i["id"]: i["reason"] for i in rep["issues"]}
+    assert "could not write its record" in reasons["blocked"]
+    assert "the server answered HTTP" in reasons["too-long"]
+    ok = {r["id"] for r in rows} - {"blocked", "too-long"}
+    assert {e["id"] for e in map(json.loads, (out / "manifest.shard-0-of-1.jsonl")
+                                  .read_text().splitlines())} == ok
+    assert rid_dirs(llama_server, [r["id"] for r in rows]) == []
+    assert [p for p in out.rglob("*") if ".tmp-" in p.name] == []

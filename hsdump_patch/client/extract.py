@@ -254,6 +254,11 @@ class Extraction:
         if problem is not None:
             assemble.remove_request(dump, rid)
             raise SampleFailed(problem)
+        return self.write_record(sample)
+
+    def write_record(self, sample: Sample) -> Done:
+        """Assemble a finished request's chunks into its record, write it, free the dump."""
+        rid, dump = self.rid(sample.id), self.s.dump_dir
         try:
             builder = records.RecordBuilder(self.s.fmt, len(sample.input_ids), self.info)
             chunks = assemble.read_request(dump, rid, sample.input_ids, self.info, builder)
@@ -424,16 +429,15 @@ def connect(settings: Settings, rid_prefix: str | None) -> tuple[ServerClient, d
     return client, model_info, info
 
 
-def load_tokenizer(model: str, trust_remote_code: bool, server_trusts: bool = False) -> Any:
-    """The model's own tokenizer (and chat template), with custom code allowed when the flag or
-    the server's own ``--trust-remote-code`` says so."""
+def load_tokenizer(model: str, trust_remote_code: bool) -> Any:
+    """The model's own tokenizer (and chat template); custom code runs only when trusted (the
+    ``--trust-remote-code`` flag, or a server that runs with it)."""
     from transformers import AutoTokenizer
 
-    trust = trust_remote_code or server_trusts
     try:
-        return AutoTokenizer.from_pretrained(model, trust_remote_code=trust)
+        return AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code)
     except ValueError as e:
-        if trust or "trust_remote_code" not in str(e):
+        if trust_remote_code or "trust_remote_code" not in str(e):
             raise
         raise ValueError(
             f"the tokenizer of {model} needs its own code (custom code in the model dir), and "
@@ -449,8 +453,8 @@ def extract(settings: Settings, dataset: Path, *, shard: Shard | None = None,
     shard = shard or Shard()
     client, model_info, info = connect(settings, rid_prefix)
     tokenizer_path = model or model_info.get("tokenizer_path") or info.model
-    tokenizer = load_tokenizer(tokenizer_path, trust_remote_code,
-                               bool(client.server_args().get("trust_remote_code")))
+    trust = trust_remote_code or bool(client.server_args().get("trust_remote_code"))
+    tokenizer = load_tokenizer(tokenizer_path, trust)
     renderer = chat_renderer(tokenizer, multi_turn,
                              reasoning_parser or client.server_args().get("reasoning_parser"))
 
@@ -459,7 +463,8 @@ def extract(settings: Settings, dataset: Path, *, shard: Shard | None = None,
     bad_rows = [e for e in bad_rows if shard.contains(e.sample_id or e.where)]
     settings.out.mkdir(parents=True, exist_ok=True)
     records.ensure_sidecar(settings.out, records.sidecar(
-        settings.fmt, info, tokenizer=tokenizer_path, max_len=max_len, compress=settings.compress))
+        settings.fmt, info, tokenizer=tokenizer_path, max_len=max_len, compress=settings.compress,
+        trust_remote_code=trust))
 
     report = Report(shard=str(shard), fmt=settings.fmt, out=str(settings.out),
                     dataset=str(dataset), server=settings.server)

@@ -182,7 +182,8 @@ def save_atomic(record: dict[str, Any], path: Path, compress: bool = False) -> i
 
 
 def sidecar(fmt: str, info: protocol.ServerInfo, *, tokenizer: str | None,
-            max_len: int | None, compress: bool = False) -> dict[str, Any]:
+            max_len: int | None, compress: bool = False,
+            trust_remote_code: bool = False) -> dict[str, Any]:
     """The metadata describing every record of an output directory."""
     return {
         "format": fmt,
@@ -204,6 +205,7 @@ def sidecar(fmt: str, info: protocol.ServerInfo, *, tokenizer: str | None,
         "hsdump_client_version": __version__,
         "python": sys.version.split()[0],
         "tokenizer": tokenizer,
+        "trust_remote_code": trust_remote_code,
         "max_len": max_len,
     }
 

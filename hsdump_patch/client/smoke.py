@@ -24,6 +24,7 @@ from hsdump_patch import protocol
 from hsdump_patch.client import extract as ex
 from hsdump_patch.client import records
 from hsdump_patch.client.dataset import ChatRenderer, Sample, index_dataset, iter_samples
+from hsdump_patch.client.manifest import load_done
 
 DEFAULT_REPORT = "hsdump-smoke-report.json"
 _LONG = " ".join([
@@ -64,16 +65,18 @@ def check_record(rec: dict[str, Any], fmt: str, info: protocol.ServerInfo,
     """Return the problems of one loaded record (empty when it is valid)."""
     n, h, k = len(sample.input_ids), info.hidden_size, len(info.layers)
     dtype = records.torch_dtype(info.dtype)
+    final_key = records.NEEDS_FINAL[fmt]
+    if final_key not in rec:  # what the trainer indexes: the target is lm_head of it
+        return [f"no {final_key} (the post-final-norm state {fmt} training needs): restart the "
+                "server with SGLANG_HS_DUMP_FINAL=1"]
     if fmt == "eagle3":
         hidden = {f"hidden_states[{i}]": (t, (n, h)) for i, t in enumerate(rec["hidden_states"])}
-        final_key = "final_hidden_state"
+        hidden[final_key] = (rec[final_key], (n, h))
         if len(rec["hidden_states"]) != k:
             return [f"{len(rec['hidden_states'])} hidden_states, expected {k}"]
-    else:
-        hidden = {"aux_hidden_state": (rec["aux_hidden_state"], (n, k * h))}
-        final_key = "hidden_state"
-    if info.has_final:
-        hidden[final_key] = (rec[final_key], (n, h))
+    else:  # SpecForge's batch dimension
+        hidden = {"aux_hidden_state": (rec["aux_hidden_state"], (1, n, k * h)),
+                  final_key: (rec[final_key], (1, n, h))}
     problems = []
     for name, (t, shape) in hidden.items():
         if tuple(t.shape) != shape or t.dtype != dtype:
@@ -107,15 +110,16 @@ def validate(out: Path, fmt: str, info: protocol.ServerInfo, samples: list[Sampl
                    + (f"; stopped: {report.stopped}" if report.stopped else "")))
     loaded: dict[str, dict[str, Any]] = {}
     problems = []
+    done = load_done(out)
     for sample in samples:
-        path = out / records.record_name(sample.id)
-        if not path.is_file():
+        if sample.id not in done:
             continue
-        loaded[sample.id] = rec = records.load_record(path)
+        loaded[sample.id] = rec = records.load_record(out / done[sample.id]["file"])
         problems += [f"{sample.id}: {p}" for p in check_record(rec, fmt, info, sample)]
     checks.append(("records", bool(loaded) and not problems,
-                   "; ".join(problems) or f"{len(loaded)} records: shapes, dtype, finite, ids, "
-                   "non-empty loss mask"))
+                   "; ".join(problems) or f"{len(loaded)} {fmt} records: "
+                   f"{records.NEEDS_FINAL[fmt]} present, shapes, dtype, finite, ids, non-empty "
+                   "loss mask"))
     a, b = (loaded.get(i) for i in pair)
     if a is not None and b is not None:
         same = all(torch.equal(x, y) for x, y in zip(_hidden_tensors(a), _hidden_tensors(b),
@@ -168,8 +172,8 @@ def _run(args: argparse.Namespace, work: Path) -> int:
         report = ex.extract(settings, dataset, model=args.model, max_len=args.max_len,
                             rid_prefix=args.rid_prefix, trust_remote_code=args.trust_remote_code)
         info = protocol.read_server_info(args.dump_dir)
-        tokenizer = ex.load_tokenizer(json.loads((out / records.META_FILE).read_text())
-                                      ["tokenizer"], args.trust_remote_code)
+        meta = json.loads((out / records.META_FILE).read_text())
+        tokenizer = ex.load_tokenizer(meta["tokenizer"], bool(meta.get("trust_remote_code")))
         refs, _ = index_dataset(dataset)
         samples = [s for s in iter_samples(dataset, refs, ChatRenderer(tokenizer), args.max_len)
                    if isinstance(s, Sample)]
