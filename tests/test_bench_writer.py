@@ -27,16 +27,19 @@ def test_bench_writer_cpu_prints_table_and_verdicts(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
     header = next(line for line in lines if line.startswith("| tokens"))
-    for col in ("GB/s", "vs limit", "stall ms/chunk", "stall vs sync", "peak in-flight MB"):
+    for col in ("GB/s", "vs limit", "stall ms/chunk", "stall vs sync", "peak in-flight MB",
+                "writer CPU s/GB", "fwd CPU ms/chunk"):
         assert col in header
     paths = {"host copy (cpu)", "dump-dir write, 1 thread", "dump-dir write, 2 threads",
-             "sync .cpu()+torch.save", "writer cap 1MiB, saturated", "writer cap 1MiB, paced 50%",
-             "writer cap 0.0625MiB, saturated", "writer cap 0.0625MiB, paced 50%"}
+             "sync .cpu()+torch.save", "writer cap 1MiB spin, saturated",
+             "writer cap 1MiB spin, paced 50%", "writer cap 1MiB blocking, saturated",
+             "writer cap 1MiB blocking, paced 50%", "writer cap 0.0625MiB blocking, saturated",
+             "writer cap 0.0625MiB blocking, paced 50%"}
     table_paths = [row.split("|")[3].strip() for row in lines if row.startswith("| 64 ")]
     assert set(table_paths) == paths
 
     result = json.loads(out.read_text())
-    assert result["errors"] == [] and result["verified_files"] >= 8
+    assert result["errors"] == [] and result["verified_files"] >= 12
     rows = result["rows"]
     assert {r["tokens"] for r in rows} == {64, 256}
     for r in rows:
@@ -46,6 +49,8 @@ def test_bench_writer_cpu_prints_table_and_verdicts(tmp_path: Path) -> None:
             assert r["vs_sync"] > 0, r
         if r["path"].startswith("writer"):
             assert 0 < r["peak_inflight_mb"] <= r["staging_mb"], r
+            # The writer threads did the writing: they used CPU, the forward thread too.
+            assert r["writer_cpu_s_per_gb"] > 0 and r["fwd_cpu_ms"] > 0, r
     for tokens in (64, 256):  # the limit is the lower of the copy and the N-thread write
         raw = [r["vs_limit"] for r in rows if r["tokens"] == tokens
                and r["path"] in ("host copy (cpu)", "dump-dir write, 2 threads")]
@@ -54,6 +59,7 @@ def test_bench_writer_cpu_prints_table_and_verdicts(tmp_path: Path) -> None:
     for tokens in (64, 256):
         assert f"throughput {tokens} tok" in verdicts
         assert f"stall {tokens} tok saturated" in verdicts
+        assert f"writer CPU {tokens} tok paced" in verdicts
     memory = [v for v in result["verdicts"] if v["goal"].startswith("memory")]
-    assert len(memory) == 8 and all(v["ok"] for v in memory), memory
+    assert len(memory) == 12 and all(v["ok"] for v in memory), memory
     assert "MISS" in proc.stdout or "PASS" in proc.stdout

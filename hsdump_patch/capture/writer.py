@@ -14,6 +14,10 @@ at start; after that no page is allocated. When the cap is reached the forward t
 rather than memory growing. A free-space guard refuses a chunk that would
 push the dump dir below its reserve and turns the request into an error marker instead. Nothing
 here raises into the forward: errors are counted, logged and reported in the error marker.
+
+On CUDA every thread of the writer binds to the writer's device before its first CUDA call
+(a bare call would create a context on GPU 0), and waits for a copy on a blocking event: a
+default ``torch.cuda.Event`` spins a core in ``synchronize()`` for as long as the forward runs.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,12 +48,15 @@ _MAX_TRACKED_RIDS = 100_000
 
 @dataclass
 class _RidState:
+    """One attempt of a request; a new attempt of the rid (see ``begin_request``) replaces it."""
+
     outstanding: int = 0
     chunks: list[int] = field(default_factory=list)
     tokens: int = 0
     prompt_len: int | None = None  # set when the last chunk has been submitted
     error: str | None = None
     marker_written: bool = False  # done, or the first error (a later error changes nothing)
+    superseded: bool = False  # a newer attempt of the rid began: this one writes no marker
 
 
 @dataclass
@@ -61,6 +68,7 @@ class _Page:
 @dataclass
 class _FileJob:
     rid: str
+    state: _RidState  # the attempt the chunk belongs to
     prefix_len: int
     final: Path
     tmp: Path
@@ -97,12 +105,18 @@ class DumpWriter:
         min_free_bytes: int,
         threads: int,
         device: torch.device,
+        blocking_events: bool = True,
     ) -> None:
+        """``blocking_events=False`` makes the copy waits spin (only to measure what that
+        costs, in scripts/bench_writer.py)."""
         self.dump_dir = Path(dump_dir)
         self.max_inflight_bytes = max_inflight_bytes
         self.min_free_bytes = min_free_bytes
         self.stats = WriterStats()
         self._cuda = device.type == "cuda"
+        self._blocking_events = blocking_events
+        # Resolved here, in the forward's thread: in another thread a bare "cuda" means GPU 0.
+        self.device_index = bound_device_index(device, torch.cuda.current_device)
         self._side_stream = torch.cuda.Stream(device=device) if self._cuda else None
         self.page_bytes = _page_bytes_for(max_inflight_bytes)
         self._cap_pages = max(1, max_inflight_bytes // self.page_bytes)
@@ -121,11 +135,8 @@ class DumpWriter:
             t.start()
         self._filler: threading.Thread | None = None
         if self._cuda:
-            # The index is resolved here, in the forward's thread: a bare "cuda" in another
-            # thread means device 0, and pinning there would create a context on that GPU.
-            index = torch.cuda.current_device() if device.index is None else device.index
-            self._filler = threading.Thread(target=self._fill_pool, args=(index,),
-                                            name="hsdump-pinned-pool", daemon=True)
+            self._filler = threading.Thread(target=self._fill_pool, name="hsdump-pinned-pool",
+                                            daemon=True)
             self._filler.start()
 
     # ---------------------------------------------------------------- forward thread side
@@ -171,9 +182,9 @@ class DumpWriter:
         try:
             ready = self._stage(header, [t for _, t in tensors], pages)
             final = protocol.rid_dir(self.dump_dir, rid) / protocol.chunk_filename(meta.prefix_len)
-            job = _FileJob(rid, meta.prefix_len, final, protocol.temp_path(final), pages, nbytes,
-                           ready)
-        except Exception as e:
+            job = _FileJob(rid, state, meta.prefix_len, final, protocol.temp_path(final), pages,
+                           nbytes, ready)
+        except Exception as e:  # _stage waited for any copy it had started
             self._release(pages)
             self._internal_error(rid, state, prompt_len, f"cannot copy the chunk: {e!r}")
             return
@@ -184,6 +195,18 @@ class DumpWriter:
             if prompt_len is not None:
                 state.prompt_len = prompt_len
         self._tasks.put(job)
+
+    def begin_request(self, rid: str) -> None:
+        """Start a new attempt of ``rid`` (its first chunk): forget an earlier attempt.
+
+        A failed attempt keeps its state, so that its late chunks are dropped; an aborted one
+        leaves chunk counts. A client that re-sends the rid after removing the old directory
+        must get a fresh marker, not the old failure (nor nothing at all).
+        """
+        with self._cond:
+            old = self._rids.pop(rid, None)
+            if old is not None:
+                old.superseded = True  # its chunks still in flight finish without a marker
 
     def fail_request(self, rid: str, reason: str, prompt_len: int | None = None) -> None:
         """Mark a request as failed: an error marker replaces its done marker."""
@@ -199,6 +222,17 @@ class DumpWriter:
                     return False
                 self._cond.wait(left)
         return True
+
+    def wait_for_copies(self) -> None:
+        """Make the current stream wait for every copy enqueued so far (no host wait), so
+        the caller may overwrite the tensors it submitted; a no-op off CUDA."""
+        if self._side_stream is not None:
+            torch.cuda.current_stream().wait_stream(self._side_stream)
+
+    @property
+    def thread_ids(self) -> list[int]:
+        """Kernel thread ids of the writer threads (for CPU accounting)."""
+        return [t.native_id for t in self._threads if t.native_id is not None]
 
     def close(self) -> None:
         """Flush, stop the threads and free the staging pages (later submits fail the request)."""
@@ -278,28 +312,33 @@ class DumpWriter:
             raise
         return pages
 
-    def _fill_pool(self, device: int) -> None:
+    def _fill_pool(self) -> None:
         """Pin the pool up to the cap in the background: pinning is slow (cudaHostAlloc), and
         the forward thread would otherwise pay for it whenever the pool grows."""
         try:
-            with torch.cuda.device(device):
-                while True:
+            self._bind_thread()
+            while True:
+                with self._cond:
+                    if self._closed or self._pool_pages >= self._cap_pages:
+                        return
+                    self._pool_pages += 1
+                try:
+                    page = self._new_page()
+                except BaseException:
                     with self._cond:
-                        if self._closed or self._pool_pages >= self._cap_pages:
-                            return
-                        self._pool_pages += 1
-                    try:
-                        page = self._new_page()
-                    except BaseException:
-                        with self._cond:
-                            self._pool_pages -= 1
-                        raise
-                    with self._cond:
-                        self._free.append(page)
-                        self.stats.staging_bytes = self._pool_pages * self.page_bytes
-                        self._cond.notify_all()
+                        self._pool_pages -= 1
+                    raise
+                with self._cond:
+                    self._free.append(page)
+                    self.stats.staging_bytes = self._pool_pages * self.page_bytes
+                    self._cond.notify_all()
         except Exception:
             logger.exception("hsdump: could not pin the staging pool ahead; pinning on demand")
+
+    def _bind_thread(self) -> None:
+        """Bind the calling writer thread to the writer's device, before any CUDA call."""
+        if self.device_index is not None:
+            torch.cuda.set_device(self.device_index)
 
     def _new_page(self) -> _Page:
         t = torch.empty(self.page_bytes, dtype=torch.uint8, pin_memory=self._cuda)
@@ -331,11 +370,17 @@ class DumpWriter:
         assert self._side_stream is not None
         self._side_stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self._side_stream):
-            for flat in flats:
-                for i, off, lo, n in _spans(pos, flat.numel(), self.page_bytes):
-                    pages[i].tensor[off : off + n].copy_(flat[lo : lo + n], non_blocking=True)
-                pos += flat.numel()
-            ready = torch.cuda.Event()
+            ready = copy_done_event(self._blocking_events)
+            try:
+                for flat in flats:
+                    for i, off, lo, n in _spans(pos, flat.numel(), self.page_bytes):
+                        pages[i].tensor[off : off + n].copy_(flat[lo : lo + n], non_blocking=True)
+                    pos += flat.numel()
+            except BaseException:
+                # The caller puts the pages back in the pool: no copy may still land there.
+                ready.record(self._side_stream)
+                ready.synchronize()
+                raise
             ready.record(self._side_stream)
         for f in flats:  # the caller may free them now: their memory waits for the copy
             if f.is_cuda:
@@ -349,6 +394,10 @@ class DumpWriter:
         return start + len(src)
 
     def _worker(self) -> None:
+        try:
+            self._bind_thread()
+        except Exception:  # its jobs then fail, with the CUDA error in their markers
+            logger.exception("hsdump: writer thread could not bind to cuda:%s", self.device_index)
         while True:
             job = self._tasks.get()
             if job is None:
@@ -394,22 +443,19 @@ class DumpWriter:
 
     def _finish_request(self, job: _FileJob, failure: str | None) -> None:
         ok = failure is None
+        state = job.state
         with self._cond:
-            state = self._rids.get(job.rid)
             if ok:
                 self.stats.chunks_written += 1
                 self.stats.bytes_written += job.nbytes
             else:
                 self.stats.chunks_failed += 1
-            if state is not None:
-                state.outstanding -= 1
-                if not ok:
-                    state.error = state.error or (
-                        f"writing chunk {job.prefix_len} failed: {failure}")
+            state.outstanding -= 1
+            if not ok:
+                state.error = state.error or f"writing chunk {job.prefix_len} failed: {failure}"
         if not ok:
             logger.error("hsdump: writing %s failed: %s", job.final, failure)
-        if state is not None:
-            self._maybe_finish(job.rid, state)
+        self._maybe_finish(job.rid, state)
 
     def _internal_error(
         self, rid: str, state: _RidState, prompt_len: int | None, reason: str
@@ -435,7 +481,7 @@ class DumpWriter:
     def _maybe_finish(self, rid: str, state: _RidState) -> None:
         """Write the done or error marker once nothing of the request is outstanding."""
         with self._cond:
-            if state.outstanding or state.marker_written:
+            if state.outstanding or state.marker_written or state.superseded:
                 return
             complete = state.prompt_len is not None
             if state.error is not None:
@@ -446,7 +492,8 @@ class DumpWriter:
                 marker = protocol.ERROR_MARKER
             elif complete:
                 state.marker_written = True
-                self._rids.pop(rid, None)
+                if self._rids.get(rid) is state:
+                    del self._rids[rid]
                 payload = {"rid": rid, "prompt_len": state.prompt_len, "tokens": state.tokens,
                            "chunks": sorted(state.chunks)}
                 self.stats.requests_done += 1
@@ -461,6 +508,23 @@ class DumpWriter:
             with self._cond:
                 self.stats.internal_errors += 1
             logger.exception("hsdump: could not write %s for %s", marker, rid)
+
+
+def copy_done_event(blocking: bool = True) -> torch.cuda.Event:
+    """The event a writer thread waits on for a chunk's device-to-host copy.
+
+    ``blocking=True`` (cudaEventBlockingSync): the waiting thread sleeps. A default event
+    spins: on an H200 a waiting thread burnt one core for the whole wait.
+    """
+    return torch.cuda.Event(blocking=blocking)
+
+
+def bound_device_index(device: torch.device, current: Callable[[], int]) -> int | None:
+    """The CUDA device index the writer's threads bind to: ``device``'s index, else the
+    calling thread's ``current()`` device; None off CUDA (no binding)."""
+    if device.type != "cuda":
+        return None
+    return current() if device.index is None else device.index
 
 
 def _page_bytes_for(max_inflight_bytes: int) -> int:
