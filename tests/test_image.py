@@ -15,6 +15,7 @@ import tarfile
 import time
 import tomllib
 import uuid
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -85,7 +86,10 @@ def test_serve_command_carries_extraction_flags_and_profile(tmp_path):
                                      "0.8", "--attention-backend", "flashinfer"]), None)
     argv = launch.argv
     assert argv[:3] == [sys.executable, "-m", "sglang.launch_server"]
-    assert "--disable-cuda-graph" in argv and "--disable-radix-cache" in argv
+    assert serve.REQUIRED_ARGS == ("--cuda-graph-backend-prefill", "disabled",
+                                   "--cuda-graph-backend-decode", "disabled",
+                                   "--disable-radix-cache")
+    assert " ".join(serve.REQUIRED_ARGS) in " ".join(argv)
     assert argv[argv.index("--tp-size") + 1] == "8"
     assert argv[argv.index("--port") + 1] == "31000"
     assert argv[argv.index("--host") + 1] == "127.0.0.1"
@@ -140,7 +144,8 @@ def test_serve_dry_run_prints_the_command(tmp_path, capsys):
                      "--dump-dir", "/dev/shm/x", "--", "--device", "cpu"]) == 0
     err = capsys.readouterr().err
     assert "profile                        none" in err
-    assert "--disable-cuda-graph --disable-radix-cache --device cpu" in err
+    assert ("--cuda-graph-backend-prefill disabled --cuda-graph-backend-decode disabled "
+            "--disable-radix-cache --device cpu") in err
     assert "/dev/shm/x" in err
 
 
@@ -193,11 +198,33 @@ def test_image_labels_healthcheck_and_entrypoint(docker_engine, hsdump_image, st
     assert subprocess.run(["git", "merge-base", "--is-ancestor", rev, "HEAD"], cwd=REPO,
                           check=False).returncode == 0, rev
     assert labels["org.opencontainers.image.base.name"] == standin_image
+    # The stand-in was never pulled (no registry digest): make falls back to its image id.
+    base_id = _inspect(docker_engine, standin_image)["Id"]
+    assert labels["org.opencontainers.image.base.digest"] == base_id
+    assert datetime.fromisoformat(labels["org.opencontainers.image.created"]).tzinfo is not None
+    # Every OCI label is this project's: none is inherited from the base image.
+    base_labels = _inspect(docker_engine, standin_image)["Config"]["Labels"] or {}
+    for key, value in base_labels.items():
+        if key.startswith("org.opencontainers.image."):
+            assert labels[key] != value or key == "org.opencontainers.image.licenses", key
+    origin = subprocess.run(["git", "config", "--get", "remote.origin.url"], cwd=REPO,
+                            capture_output=True, text=True, check=False).stdout.strip()
+    assert labels["org.opencontainers.image.source"] == (origin or "unknown")
     assert labels["hsdump.sglang.version"] == "0.5.23"
-    assert "/ready" in " ".join(config["Healthcheck"]["Test"])
-    assert "/health'" not in " ".join(config["Healthcheck"]["Test"])
+    health = config["Healthcheck"]
+    assert health["Test"] == ["CMD", "python3", "-m", "hsdump_patch.ops.healthcheck"]
+    assert health["StartPeriod"] >= 3600 * 10**9  # a Kimi-K2.5 load, in ns
     assert config["Entrypoint"] == ["hsdump", "serve"]
     assert "SGLANG_HS_DUMP_DIR=/dev/shm/sglang_hs" in config["Env"]
+
+
+def test_healthcheck_fails_without_a_server(docker_engine, hsdump_image):
+    """Node 0 without /ready and a worker node without an SGLang process are unhealthy."""
+    for rank in ("0", "1"):
+        r = docker_engine.run("run", "--rm", "--network", "none", "-e", f"HSDUMP_NODE_RANK={rank}",
+                              "--entrypoint", "python3", hsdump_image, "-m",
+                              "hsdump_patch.ops.healthcheck", check=False)
+        assert r.returncode == 1, (rank, r.stdout, r.stderr)
 
 
 def _file_list(engine: Engine, image: str) -> set[str]:
