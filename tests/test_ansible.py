@@ -16,7 +16,9 @@ import math
 import os
 import re
 import shutil
+import signal
 import subprocess
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -182,7 +184,7 @@ def test_preflight_parses_gpus_and_rejects_an_old_driver(ansible, tmp_path):
     bin_dir.mkdir()
     smi = bin_dir / "nvidia-smi"
     smi.write_text("#!/bin/sh\n" + "".join(
-        f"echo '{i}, NVIDIA RTX PRO 6000 Blackwell Server Edition, 570.86.15, 97887'\n"
+        f"echo '{i}, NVIDIA RTX PRO 6000 Blackwell Server Edition, 570.86.15, 97887, Disabled, 0'\n"
         for i in range(8)))
     smi.chmod(0o755)
     run = ansible.playbook("deploy.yml", ONE_HOST, tags="preflight", path_prepend=bin_dir,
@@ -194,9 +196,80 @@ def test_preflight_parses_gpus_and_rejects_an_old_driver(ansible, tmp_path):
             in flat), flat[-3000:]
 
 
-def test_shm_resized_persisted_and_idempotent(ansible, host_shm):
+def test_preflight_ram_tolerance_string_override_and_missing_model(ansible, tmp_path):
+    """-e overrides arrive as strings; a nominal size passes within the tolerance; a missing
+    model dir fails with the path and the setting, in seconds."""
+    mem_kib = int(Path("/proc/meminfo").read_text().split("MemTotal:")[1].split()[0])
+    nominal = math.ceil(mem_kib / 2**20)  # e.g. "1024" on a host reporting 1007 GiB
+    missing = tmp_path / "no-such-model"
+    run = ansible.playbook("deploy.yml", ONE_HOST, tags="preflight", extra={
+        "hsdump_preflight_min_ram_gib": str(nominal), "hsdump_model_dir": str(missing)})
+    flat = " ".join(run.output.split())
+    assert run.rc != 0 and run.recap()["cpu-host"]["failed"] == 1, run.output[-4000:]
+    assert f"The model at cpu-host:{missing} (hsdump_model_dir) is missing or incomplete" in flat
+    assert f"{missing} does not exist or is not a directory" in flat
+    assert "check the RAM" in flat and "less than hsdump_preflight_min_ram_gib" not in flat
+    too_much = ansible.playbook("deploy.yml", ONE_HOST, tags="preflight", extra={
+        "hsdump_preflight_min_ram_gib": str(2 * nominal), "hsdump_model_dir": str(missing)})
+    assert too_much.rc != 0
+    too_much_flat = " ".join(too_much.output.split())
+    assert f"less than hsdump_preflight_min_ram_gib={2 * nominal}" in too_much_flat
+
+
+def test_preflight_finds_a_truncated_shard(ansible, tiny_models, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_models / "tiny-llama", model)
+    shard = next(model.glob("*.safetensors"))
+    size = shard.stat().st_size
+    with shard.open("r+b") as f:
+        f.truncate(size - 1000)
+    run = ansible.playbook("deploy.yml", ONE_HOST, tags="preflight",
+                           extra={"hsdump_model_dir": str(model)})
+    flat = " ".join(run.output.split())
+    assert run.rc != 0, flat[-3000:]
+    assert f"{shard.name}: {size - 1000} bytes, its header implies {size} (truncated copy?)" in flat
+
+
+def test_preflight_fails_on_a_fabric_that_is_not_up(ansible, tiny_models, tmp_path):
+    """An HGX B200 host without Fabric Manager: nvidia-smi lists 8 healthy GPUs, but the
+    fabric state is not Completed; preflight names the fix instead of a crash-looping server."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    # Stand-in for the driver's CLI: the query output and the `-q` fabric section of such a host.
+    smi.write_text('#!/bin/sh\nif [ "$1" = -q ]; then\n' + "".join(
+        f"echo 'GPU 0000:{i:02x}:00.0'; echo '    Fabric';"
+        " echo '        State                 : In Progress';"
+        " echo '        Status                : N/A'\n" for i in range(8))
+        + "exit 0\nfi\n" + "".join(
+        f"echo '{i}, NVIDIA B200, 580.95.05, 183359, Disabled, 0'\n" for i in range(8)))
+    smi.chmod(0o755)
+    run = ansible.playbook("deploy.yml", ONE_HOST, tags="preflight", path_prepend=bin_dir,
+                           extra={"hsdump_gpu_checks": True, "hsdump_preflight_gpu_count": 8,
+                                  "hsdump_model_dir": str(tiny_models / "tiny-llama")})
+    flat = " ".join(run.output.split())
+    assert run.rc != 0
+    assert "check the driver version" in flat and "check that MIG is off" in flat
+    assert ("The NVLink fabric on cpu-host is not up (nvidia-smi -q: state In Progress, status N/A)"
+            in flat), flat[-3000:]
+    assert "hsdump_driver_fabricmanager=true" in flat
+
+
+def _remount_shm(size: int) -> None:
+    subprocess.run(["mount", "-o", f"remount,size={size // 1024}k", "/dev/shm"], check=True)
+
+
+def _shm_used() -> int:
+    out = subprocess.run(["df", "-B1", "--output=used", "/dev/shm"], check=True,
+                         capture_output=True, text=True).stdout
+    return int(out.split()[-1])
+
+
+def test_shm_grown_persisted_and_idempotent(ansible, host_shm):
     kib = expected_shm_kib()
-    assert kib * 1024 != _shm_bytes(), "pick test vars that change the size"
+    smaller = kib * 1024 - 2**30  # 1 GiB below the target (other jobs' files must still fit)
+    require(_shm_used() + 2**28 < smaller, "/dev/shm with less than 7 GiB in use")
+    _remount_shm(smaller)
     first = ansible.playbook(CASES / "shm.yml", ONE_HOST)
     first.assert_ok("hsdump_shm")
     assert first.recap()["cpu-host"]["changed"] == 2  # the fstab line, the remount
@@ -206,6 +279,120 @@ def test_shm_resized_persisted_and_idempotent(ansible, host_shm):
     again = ansible.playbook(CASES / "shm.yml", ONE_HOST)
     again.assert_ok("hsdump_shm, second run")
     assert again.recap()["cpu-host"]["changed"] == 0, again.output[-4000:]
+
+
+def test_shm_never_shrinks(ansible, host_shm):
+    """A /dev/shm larger than the target (1-2 TiB hosts) is left alone, live and in fstab."""
+    larger = expected_shm_kib() * 1024 + 2**30
+    _remount_shm(larger)
+    fstab_before = Path("/etc/fstab").read_text()
+    run = ansible.playbook(CASES / "shm.yml", ONE_HOST)
+    run.assert_ok("hsdump_shm on a larger /dev/shm")
+    assert run.recap()["cpu-host"]["changed"] == 0, run.output[-4000:]
+    assert _shm_bytes() == larger
+    assert Path("/etc/fstab").read_text() == fstab_before
+
+
+# ----------------------------------------------------------------------------- a Debian host
+DEBIAN_TAG = "hsdump-test/debian-host:bookworm"
+DEBIAN_ROOTFS = ROOT / ".cache" / "image" / "rootfs-bookworm"  # tests/image/build_standin.sh
+
+
+@dataclass
+class DebianHost:
+    """A Debian bookworm container that Ansible manages over its docker connection."""
+
+    name: str
+    inventory: Path
+
+    def sh(self, script: str, check: bool = True) -> str:
+        return _docker("exec", self.name, "sh", "-c", script, check=check)
+
+
+@pytest.fixture(scope="module")
+def debian_host(docker_engine, tmp_path_factory) -> Iterator[DebianHost]:
+    """Debian's minbase root file system (the one build_standin.sh bootstraps; bootstrapped
+    here when absent) as a small image, run as a container with apt's lists fetched."""
+    if _docker("images", "-q", DEBIAN_TAG).strip() == "":
+        if not (DEBIAN_ROOTFS / ".complete").exists():
+            require(shutil.which("debootstrap") is not None, "debootstrap (apt-get install it)")
+            subprocess.run(["debootstrap", "--variant=minbase", "--include=python3", "bookworm",
+                            str(DEBIAN_ROOTFS), "http://deb.debian.org/debian"], check=True,
+                           capture_output=True, timeout=1200)
+            (DEBIAN_ROOTFS / ".complete").touch()
+        tar = subprocess.Popen(["tar", "-C", str(DEBIAN_ROOTFS), "-c", "."], stdout=subprocess.PIPE)
+        subprocess.run(["docker", "import", "-", DEBIAN_TAG], stdin=tar.stdout, check=True,
+                       capture_output=True)
+        assert tar.wait() == 0
+    name = f"hsdump-debian-{uuid.uuid4().hex[:8]}"
+    # Host networking: the sandbox's engine has no NAT, and apt needs the Debian mirror.
+    _docker("run", "-d", "--name", name, "--network", "host", DEBIAN_TAG, "sleep", "infinity")
+    inventory = tmp_path_factory.mktemp("debian") / "inventory.yml"
+    inventory.write_text(yaml.safe_dump({"all": {"children": {"hsdump_hosts": {
+        "hosts": {"debian-host": {"ansible_host": name}},
+        "vars": {"ansible_connection": "community.docker.docker",
+                 "ansible_python_interpreter": "/usr/bin/python3", "ansible_become": False}}}}}))
+    host = DebianHost(name, inventory)
+    try:
+        host.sh("apt-get update -qq")
+        yield host
+    finally:
+        _docker("rm", "-f", name, check=False)
+
+
+def test_docker_ce_is_kept_and_docker_io_refused(ansible, debian_host):
+    """An installed Docker CE is used as it is; docker_source=distro fails with the reason."""
+    # The package record of Docker CE (what dpkg and apt see); its binaries are not needed.
+    control = ("Package: docker-ce\\nVersion: 5:28.0.0-1\\nArchitecture: all\\n"
+               "Maintainer: hsdump tests\\nDescription: Docker CE package record\\n")
+    debian_host.sh(f"mkdir -p /tmp/dce/DEBIAN && printf '{control}' > /tmp/dce/DEBIAN/control"
+                   " && dpkg-deb -b /tmp/dce /tmp/docker-ce.deb >/dev/null"
+                   " && dpkg -i /tmp/docker-ce.deb >/dev/null")
+    refused = ansible.playbook(CASES / "engine.yml", debian_host.inventory,
+                               extra={"hsdump_container_runtime_docker_source": "distro"})
+    flat = " ".join(refused.output.split())
+    assert refused.rc != 0, refused.output[-4000:]
+    assert ("debian-host already has a Docker engine (docker-ce), and "
+            "hsdump_container_runtime_docker_source=distro would install docker.io over it") in flat
+    kept = ansible.playbook(CASES / "engine.yml", debian_host.inventory)
+    kept.assert_ok("engine.yml with Docker CE installed")
+    assert debian_host.sh("dpkg-query -W -f='${Status}' docker.io 2>/dev/null", check=False) \
+        != "install ok installed"
+    assert "install ok installed" in debian_host.sh("dpkg-query -W -f='${Status}' docker-ce")
+    again = ansible.playbook(CASES / "engine.yml", debian_host.inventory)
+    again.assert_ok("engine.yml, second run")
+    assert again.recap()["debian-host"]["changed"] == 0, again.output[-3000:]
+
+
+def test_driver_role_installs_holds_and_gates_the_reboot(ansible, debian_host):
+    """hsdump_driver on Debian: --check is clean on the fresh host; a run that needs a reboot
+    fails with the versions and the flag; after the (simulated) reboot it converges and a
+    second run changes nothing. Stand-ins: small Debian packages for the NVIDIA ones (not in
+    Debian main), a `modinfo` that reports the installed module version, and a file for the
+    running module's version (/sys/module/nvidia/version in a container cannot be written)."""
+    loaded = "/run/hsdump-test-nvidia-version"
+    debian_host.sh("printf '#!/bin/sh\\necho 580.95.05\\n' > /usr/local/sbin/modinfo && "
+                   f"chmod 755 /usr/local/sbin/modinfo && echo 575.57.08 > {loaded}")
+    v = {"hsdump_driver_install": True, "hsdump_driver_fabricmanager": True,
+         "hsdump_driver_packages": ["hello"], "hsdump_driver_fabricmanager_packages": ["pciutils"],
+         "hsdump_driver_manage_services": False, "hsdump_driver_loaded_version_file": loaded}
+    check = ansible.playbook(CASES / "driver.yml", debian_host.inventory, extra=v, check=True)
+    check.assert_ok("driver.yml --check on a fresh host")
+    needs_reboot = ansible.playbook(CASES / "driver.yml", debian_host.inventory, extra=v)
+    flat = " ".join(needs_reboot.output.split())
+    assert needs_reboot.rc != 0
+    assert ("debian-host needs a reboot to load NVIDIA driver 580.95.05 (loaded: 575.57.08). "
+            "Reboot it, or rerun with -e hsdump_driver_reboot=true") in flat, flat[-3000:]
+    held = debian_host.sh("dpkg --get-selections hello pciutils").split()
+    assert dict(zip(held[::2], held[1::2], strict=True)) == {"hello": "hold", "pciutils": "hold"}
+    assert "--persistence-mode" in debian_host.sh(
+        "cat /etc/systemd/system/nvidia-persistenced.service.d/override.conf")
+    debian_host.sh(f"echo 580.95.05 > {loaded}")  # what the host runs after the reboot
+    first = ansible.playbook(CASES / "driver.yml", debian_host.inventory, extra=v)
+    first.assert_ok("driver.yml after the reboot")
+    second = ansible.playbook(CASES / "driver.yml", debian_host.inventory, extra=v)
+    second.assert_ok("driver.yml, second run")
+    assert second.recap()["debian-host"]["changed"] == 0, second.output[-3000:]
 
 
 # ----------------------------------------------------------------------------- deploy sequence
@@ -261,6 +448,95 @@ def test_image_loaded_from_a_tarball_and_verified(ansible, docker_engine, tmp_pa
         _docker("rmi", f"{name}:{tag}", check=False)
 
 
+def server_vars(image: str, tiny_models: Path, tmp: Path) -> dict:
+    """Variables for a server container of ``image`` with its own name, port and dirs."""
+    name, tag = image.rsplit(":", 1)
+    return {
+        "hsdump_image_name": name, "hsdump_image_tag": tag,
+        "hsdump_container_name": f"{name.replace('/', '-')}-{tag}-{uuid.uuid4().hex[:6]}",
+        "hsdump_server_port": free_port(),
+        "hsdump_model_dir": str(tiny_models / "tiny-llama"),
+        "hsdump_dump_dir": f"/dev/shm/hsdump-ansible-{uuid.uuid4().hex[:8]}",
+        "hsdump_output_dir": str(tmp / "output"),
+        "hsdump_data_dir": str(tmp / "data"),
+        "hsdump_state_dir": str(tmp / "state"),
+        "hsdump_config_dir": str(tmp / "etc"),
+        "hsdump_cache_dir": str(tmp / "cache"),
+        "hsdump_smoke_fetch_dir": str(tmp / "reports"),
+        "hsdump_extract_fetch_dir": str(tmp / "reports"),
+        "hsdump_server_log_fetch_dir": str(tmp / "reports"),
+        "hsdump_server_extra_volumes": [f"{CPU_SHIM}:{SHIM_MOUNT}:ro"],
+    }
+
+
+# ----------------------------------------------------------------------------- fail fast
+# The old wait only polled /ready: every one of these cost hsdump_server_ready_timeout_s
+# (2400 s by default, 600 s in cpu-host.yml). Now the container state of every node is
+# checked every round (hsdump_server_wait_round_s=10 here).
+FAIL_FAST_S = 150
+
+
+def test_fail_fast_on_a_crash_looping_server_with_a_bad_flag(ansible, docker_engine, hsdump_image,
+                                                             tiny_models, tmp_path):
+    cpu = yaml.safe_load(CPU_VARS.read_text())
+    v = {**server_vars(hsdump_image, tiny_models, tmp_path), "hsdump_server_allreduce": False,
+         "hsdump_server_restart_policy": "unless-stopped",
+         "hsdump_server_extra_args": [*cpu["hsdump_server_extra_args"], "--no-such-flag"]}
+    try:
+        started = time.monotonic()
+        run = ansible.playbook("deploy.yml", ONE_HOST, tags="server", extra=v)
+        elapsed = time.monotonic() - started
+    finally:
+        _docker("rm", "-f", v["hsdump_container_name"], check=False)
+    flat = " ".join(run.output.split())
+    assert run.rc != 0 and run.recap()["cpu-host"]["failed"] == 1, run.output[-4000:]
+    assert elapsed < FAIL_FAST_S, f"took {elapsed:.0f} s"
+    assert "The hsdump server replica cpu-host did not start: a node failed" in flat, flat[-4000:]
+    assert (f"==== cpu-host (node rank 0): container {v['hsdump_container_name']} crash-looping"
+            in flat)
+    assert "setting to change: a server flag is wrong: fix hsdump_server_extra_args" in flat
+    assert "unrecognized arguments: --no-such-flag" in flat  # from the container's own log
+    saved = Path(v["hsdump_server_log_fetch_dir"]) / "cpu-host" / "server.log"
+    assert "unrecognized arguments: --no-such-flag" in saved.read_text()
+
+
+def test_fail_fast_on_a_worker_node_with_logs_from_every_node(ansible, docker_engine, hsdump_image,
+                                                              tiny_models, tmp_path):
+    """Two-node replica: node 1 has no model (its bind mount is an empty dir). Node 0 never
+    gets /ready; the worker's failure ends the wait of both, with both nodes' logs."""
+    v = server_vars(hsdump_image, tiny_models, tmp_path)
+    names = {h: f"{v.pop('hsdump_container_name')}-{h[-1]}" for h in ("cpu-node-0", "cpu-node-1")}
+    models = {"cpu-node-0": v.pop("hsdump_model_dir"), "cpu-node-1": str(tmp_path / "no-model")}
+    inventory = tmp_path / "inventory.yml"
+    inventory.write_text(yaml.safe_dump({"all": {"children": {"hsdump_hosts": {
+        "hosts": {h: {"hsdump_server_node_rank": int(h[-1]), "hsdump_container_name": names[h],
+                      "hsdump_model_dir": models[h]} for h in names},
+        "vars": {"ansible_connection": "local",
+                 "ansible_python_interpreter": "{{ ansible_playbook_python }}",
+                 "ansible_become": False}}}}}))
+    v.update({"hsdump_server_allreduce": False, "hsdump_server_nnodes": 2,
+              "hsdump_server_tp_size": 2,
+              "hsdump_server_dist_init_addr": f"127.0.0.1:{free_port()}"})
+    try:
+        started = time.monotonic()
+        run = ansible.playbook("deploy.yml", inventory, tags="server", extra=v)
+        elapsed = time.monotonic() - started
+    finally:
+        for name in names.values():
+            _docker("rm", "-f", name, check=False)
+    flat = " ".join(run.output.split())
+    assert run.rc != 0, run.output[-4000:]
+    assert {h: r["failed"] for h, r in run.recap().items()} == {"cpu-node-0": 1, "cpu-node-1": 1}
+    assert elapsed < FAIL_FAST_S, f"took {elapsed:.0f} s"
+    assert "The hsdump server replica cpu-node-0, cpu-node-1 did not start: a node failed" in flat
+    assert "==== cpu-node-0 (node rank 0): container" in flat, flat[-6000:]
+    assert f"==== cpu-node-1 (node rank 1): container {names['cpu-node-1']} exited" in flat
+    assert "the model at hsdump_model_dir is missing or incomplete" in flat
+    for host in names:  # every node's log, in the message and on the controller
+        log = (Path(v["hsdump_server_log_fetch_dir"]) / host / "server.log").read_text()
+        assert log.strip() and " ".join(log.split()[-20:]) in flat, host
+
+
 @pytest.fixture(scope="module")
 def deployment(ansible, host_shm, docker_engine, hsdump_image, tiny_models,
                tmp_path_factory) -> Iterator[Deployment]:
@@ -273,21 +549,8 @@ def deployment(ansible, host_shm, docker_engine, hsdump_image, tiny_models,
     _docker("tag", hsdump_image, f"{name}:{tag}")
     image_id = _docker("image", "inspect", "-f", "{{.Id}}", f"{name}:{tag}").strip()
     tarball = tmp / "not-needed.tar"
-    v = {
-        "hsdump_image_name": name, "hsdump_image_tag": tag, "hsdump_image_id": image_id,
-        "hsdump_image_source": "tarball", "hsdump_image_tarball": str(tarball),
-        "hsdump_container_name": f"{name}-{tag}",
-        "hsdump_server_port": free_port(),
-        "hsdump_model_dir": str(tiny_models / "tiny-llama"),
-        "hsdump_dump_dir": f"/dev/shm/{name}-{tag}",
-        "hsdump_output_dir": str(tmp / "output"),
-        "hsdump_data_dir": str(tmp / "data"),
-        "hsdump_state_dir": str(tmp / "state"),
-        "hsdump_config_dir": str(tmp / "etc"),
-        "hsdump_smoke_fetch_dir": str(tmp / "reports"),
-        "hsdump_extract_fetch_dir": str(tmp / "reports"),
-        "hsdump_server_extra_volumes": [f"{CPU_SHIM}:{SHIM_MOUNT}:ro"],
-    }
+    v = {**server_vars(f"{name}:{tag}", tiny_models, tmp), "hsdump_image_id": image_id,
+         "hsdump_image_source": "tarball", "hsdump_image_tarball": str(tarball)}
     try:
         check_fresh = ansible.playbook("deploy.yml", ONE_HOST, extra=v, check=True)
         first = ansible.playbook("deploy.yml", ONE_HOST, extra=v)
@@ -322,12 +585,26 @@ class TestDeploy:
         mounts = {m["Destination"]: m for m in info["Mounts"]}
         assert mounts[SHIM_MOUNT]["RW"] is False and mounts["/model"]["RW"] is False
         assert requests.get(f"http://127.0.0.1:{port}/ready", timeout=10).status_code == 200
+        # Observability and restarts: rotated logs, Prometheus metrics, JIT caches on the host.
+        log = info["HostConfig"]["LogConfig"]
+        assert log == {"Type": "json-file", "Config": {"max-size": "100m", "max-file": "5"}}
+        assert "--enable-metrics" in info["Args"]
+        metrics = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10)
+        assert metrics.status_code == 200 and "sglang" in metrics.text
+        env = dict(e.split("=", 1) for e in info["Config"]["Env"])
+        assert env["TRITON_CACHE_DIR"] == f"{v['hsdump_cache_dir']}/triton"
+        assert mounts[v["hsdump_cache_dir"]]["RW"] is True
+        assert "HF_TOKEN" not in env
+        # The image's HEALTHCHECK, as node 0 and as a worker node (an SGLang process runs).
+        for rank in ("0", "1"):
+            r = subprocess.run(["docker", "exec", "-e", f"HSDUMP_NODE_RANK={rank}",
+                                v["hsdump_container_name"], "python3", "-m",
+                                "hsdump_patch.ops.healthcheck"], capture_output=True, text=True)
+            assert r.returncode == 0, (rank, r.stdout, r.stderr)
 
-    def test_shm_sized_and_persisted(self, deployment):
+    def test_shm_at_least_the_target(self, deployment):
         deployment.first.assert_ok("deploy.yml")
-        kib = expected_shm_kib()
-        assert _shm_bytes() == kib * 1024
-        assert f"size={kib}k" in fstab_shm_line()
+        assert _shm_bytes() >= expected_shm_kib() * 1024
 
     def test_smoke_report_fetched_and_passed(self, deployment):
         deployment.first.assert_ok("deploy.yml")
@@ -340,6 +617,30 @@ class TestDeploy:
     def test_second_run_changes_nothing(self, deployment):
         deployment.second.assert_ok("deploy.yml, second run")
         assert deployment.second.recap()["cpu-host"]["changed"] == 0, deployment.second.output
+
+    def test_redeploy_does_not_replace_a_container_running_an_extraction(self, ansible,
+                                                                           deployment):
+        """A changed setting would recreate the container; with an `hsdump extract` running in
+        it the play refuses, until hsdump_server_force_recreate."""
+        v = deployment.vars
+        name = v["hsdump_container_name"]
+        started = json.loads(_docker("inspect", name))[0]["State"]["StartedAt"]
+        # A process named like the extraction client (its argv[0]), for as long as the check.
+        _docker("exec", "-d", name, "bash", "-c", "exec -a 'hsdump extract' sleep 120")
+        try:
+            changed = {**v, "hsdump_server_allreduce": False,
+                       "hsdump_server_env": {**yaml.safe_load(CPU_VARS.read_text())[
+                           "hsdump_server_env"], "HSDUMP_TEST_CHANGE": "1"}}
+            run = ansible.playbook("deploy.yml", ONE_HOST, tags="server", extra=changed)
+        finally:
+            for line in _docker("top", name, "-eo", "pid,args").splitlines():
+                if "hsdump extract" in line:
+                    os.kill(int(line.split()[0]), signal.SIGTERM)
+        flat = " ".join(run.output.split())
+        assert run.rc != 0, run.output[-4000:]
+        assert "and an `hsdump extract` runs in it" in flat
+        assert "-e hsdump_server_force_recreate=true" in flat
+        assert json.loads(_docker("inspect", name))[0]["State"]["StartedAt"] == started
 
     def test_extract_two_hosts_write_each_sample_once(self, ansible, deployment, tmp_path):
         ids = [f"s{i}" for i in range(8)]  # 5 + 3 over the two shards
