@@ -502,11 +502,14 @@ def test_fail_fast_on_a_crash_looping_server_with_a_bad_flag(ansible, docker_eng
 
 def test_fail_fast_on_a_worker_node_with_logs_from_every_node(ansible, docker_engine, hsdump_image,
                                                               tiny_models, tmp_path):
-    """Two-node replica: node 1 has no model (its bind mount is an empty dir). Node 0 never
-    gets /ready; the worker's failure ends the wait of both, with both nodes' logs."""
+    """Two-node replica: node 1's model dir holds a broken config.json. Node 0 never gets
+    /ready; the worker's failure ends the wait of both, with both nodes' logs."""
     v = server_vars(hsdump_image, tiny_models, tmp_path)
     names = {h: f"{v.pop('hsdump_container_name')}-{h[-1]}" for h in ("cpu-node-0", "cpu-node-1")}
-    models = {"cpu-node-0": v.pop("hsdump_model_dir"), "cpu-node-1": str(tmp_path / "no-model")}
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    models = {"cpu-node-0": v.pop("hsdump_model_dir"), "cpu-node-1": str(broken)}
     inventory = tmp_path / "inventory.yml"
     inventory.write_text(yaml.safe_dump({"all": {"children": {"hsdump_hosts": {
         "hosts": {h: {"hsdump_server_node_rank": int(h[-1]), "hsdump_container_name": names[h],
