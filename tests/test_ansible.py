@@ -395,6 +395,28 @@ def test_driver_role_installs_holds_and_gates_the_reboot(ansible, debian_host):
     assert second.recap()["debian-host"]["changed"] == 0, second.output[-3000:]
 
 
+def test_weights_placed_resumed_and_verified(ansible, debian_host, tiny_models):
+    """hsdump_weights from a local mirror path: copied and checked, nothing to do on a second
+    run; a truncated shard (an interrupted copy) is completed by the next run."""
+    debian_host.sh("rm -rf /mirror && mkdir -p /mirror")
+    _docker("cp", f"{tiny_models / 'tiny-llama'}/.", f"{debian_host.name}:/mirror/tiny-llama")
+    v = {"hsdump_weights_source": "/mirror/tiny-llama", "hsdump_model_dir": "/models/tiny-llama"}
+    first = ansible.playbook(CASES / "weights.yml", debian_host.inventory, extra=v)
+    first.assert_ok("weights.yml")
+    shard = "/models/tiny-llama/model.safetensors"
+    full = debian_host.sh(f"stat -c %s {shard}").strip()
+    assert full == debian_host.sh("stat -c %s /mirror/tiny-llama/model.safetensors").strip()
+    second = ansible.playbook(CASES / "weights.yml", debian_host.inventory, extra=v)
+    second.assert_ok("weights.yml, second run")
+    assert second.recap()["debian-host"]["changed"] == 0, second.output[-3000:]
+    debian_host.sh(f"truncate -s {int(full) // 2} {shard}")
+    resumed = ansible.playbook(CASES / "weights.yml", debian_host.inventory, extra=v)
+    resumed.assert_ok("weights.yml after an interrupted copy")
+    assert resumed.recap()["debian-host"]["changed"] == 1
+    assert debian_host.sh(f"cmp {shard} /mirror/tiny-llama/model.safetensors && echo same") \
+        .strip() == "same"
+
+
 # ----------------------------------------------------------------------------- deploy sequence
 
 
