@@ -12,6 +12,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "hsdump_patch.ops.serve",
     "hsdump_patch.ops.doctor",
     "hsdump_patch.client.extract",
+    "hsdump_patch.client.regenerate",
     "hsdump_patch.client.smoke",
 )
 

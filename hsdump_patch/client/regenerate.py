@@ -1,0 +1,547 @@
+"""The ``hsdump regenerate`` sub-command: the target model writes the answers of a chat dataset.
+
+Each chat row's assistant turns are generated anew by the server (see ``regen_plan`` for the
+multi-turn and agent-trace policy). A turn's prompt is rendered exactly as ``hsdump extract``
+renders it and sent as ``input_ids`` to ``/generate``; the answer keeps the generated token
+ids (``token_ids``) beside its text, split into ``reasoning_content`` / ``content`` /
+``tool_calls`` by SGLang's own parsers when the server runs with ``--reasoning-parser`` /
+``--tool-call-parser``. ``hsdump extract`` reads the output as is and uses those token ids
+verbatim. Requests carry rids without the dump prefix, so a dump-enabled server dumps nothing.
+Output rows are written exactly once (``rowlog``), in dataset order at the end of each run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import hashlib
+import json
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import requests
+from tqdm import tqdm
+
+from hsdump_patch import protocol
+from hsdump_patch.client import extract as ex
+from hsdump_patch.client.conversation import prompt_ids
+from hsdump_patch.client.dataset import SampleError, Shard, _parse_line, index_dataset
+from hsdump_patch.client.regen_plan import AGENT_POLICIES, DEFAULT_AGENT_POLICY, Plan, plan_row
+from hsdump_patch.client.report import (
+    EXIT_OK,
+    EXIT_STOPPED,
+    EXIT_WITH_ISSUES,
+    SampleIssue,
+    format_table,
+)
+from hsdump_patch.client.rowlog import RowLog
+
+DEFAULT_MAX_NEW_TOKENS = 4096
+DEFAULT_CONCURRENCY = 32
+RID_PREFIX = "regen-"  # never the dump prefix: regeneration requests dump nothing
+ROW_FIELD = "regenerated"  # the per-row record of what was done
+# The keys SGLang itself takes from generation_config.json under --sampling-defaults model
+# (sglang 0.5.23 srt/configs/model_config.py, ModelConfig.get_default_sampling_params).
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+class RowFailed(RuntimeError):
+    """One row could not be regenerated; the message says why."""
+
+
+# ------------------------------------------------------------------------------ sampling
+
+
+def model_sampling(model: str, trust_remote_code: bool) -> dict[str, Any]:
+    """The model's ``generation_config`` sampling settings, or greedy.
+
+    Greedy (temperature 0) when there is no generation config, it sets no positive
+    temperature, or it says ``do_sample: false``.
+    """
+    from transformers import GenerationConfig
+
+    try:
+        config = GenerationConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+    except OSError:
+        return {"temperature": 0.0}
+    values = config.to_diff_dict()
+    if values.get("do_sample") is False or not (values.get("temperature") or 0) > 0:
+        return {"temperature": 0.0}
+    return {k: values[k] for k in SAMPLING_KEYS if values.get(k) is not None}
+
+
+def resolve_sampling(args: argparse.Namespace, model: str, trust: bool) -> dict[str, Any]:
+    """Flags win over the model's generation config, which wins over greedy."""
+    sampling = model_sampling(model, trust)
+    for key in (*SAMPLING_KEYS, "sampling_seed"):
+        value = getattr(args, key)
+        if value is not None:
+            sampling[key] = value
+    return sampling
+
+
+# ------------------------------------------------------------------------------ HTTP
+
+
+class RegenClient(ex.ServerClient):
+    """``/generate`` with sampling, and SGLang's reasoning / tool-call parser endpoints."""
+
+    def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """POST JSON; raise RowFailed on an error answer (with the context overflow named)."""
+        try:
+            r = self._request("POST", path, json=body, timeout=self.request_timeout)
+        except requests.Timeout:
+            raise RowFailed(f"no answer from {path} within --request-timeout "
+                            f"{self.request_timeout:g}s") from None
+        if r.status_code != 200:
+            text = r.text[:500]
+            if "context length" in text:
+                raise RowFailed(f"context overflow: {text}")
+            raise RowFailed(f"{path} answered HTTP {r.status_code}: {text}")
+        return r.json()
+
+
+# ------------------------------------------------------------------------------ one row
+
+
+@dataclass
+class Settings:
+    """Everything a regeneration run needs besides the rows."""
+
+    server: str
+    out: Path
+    sampling: dict[str, Any]
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    concurrency: int = DEFAULT_CONCURRENCY
+    agent_policy: str = DEFAULT_AGENT_POLICY
+    on_error: str = "fail"
+    request_timeout: float = ex.DEFAULT_REQUEST_TIMEOUT
+    retries: int = ex.DEFAULT_RETRIES
+    retry_wait: float = ex.DEFAULT_RETRY_WAIT
+    max_consecutive_errors: int = ex.DEFAULT_MAX_CONSECUTIVE_ERRORS
+    progress: bool = True
+
+
+@dataclass
+class RowResult:
+    row: dict[str, Any]
+    prompt_tokens: int
+    tokens: int
+    finish: list[str]
+
+
+def _tool_call_id(parser: str | None, row_id: str, turn: int, call: dict[str, Any],
+                  history: int) -> str:
+    """The id SGLang's chat API would give this call (Kimi-K2's ``functions.NAME:IDX``
+    scheme where it matters), made reproducible in place of a random uuid.
+
+    Adapted from sglang 0.5.23 srt/entrypoints/openai/serving_chat.py
+    (OpenAIServingChat._process_tool_call_id).
+    """
+    index = history + call.get("tool_index", 0)
+    if parser == "kimi_k3":
+        return f"{call['name']}:{index}"
+    if parser == "kimi_k2":
+        return f"functions.{call['name']}:{index}"
+    digest = hashlib.blake2b(f"{row_id}\0{turn}\0{index}".encode(), digest_size=12).hexdigest()
+    return f"call_{digest}"
+
+
+class Regenerator:
+    """Generates the planned turns of one row after another."""
+
+    def __init__(self, s: Settings, client: RegenClient, tokenizer: Any,
+                 parsers: dict[str, str | None], max_tokens: int | None) -> None:
+        self.s = s
+        self.client = client
+        self.tokenizer = tokenizer
+        self.reasoning_parser = parsers.get("reasoning_parser")
+        self.tool_call_parser = parsers.get("tool_call_parser")
+        self.max_tokens = max_tokens
+        self._render_lock = threading.Lock()  # one tokenizer, shared by the worker threads
+
+    def _generate(self, ids: list[int]) -> dict[str, Any]:
+        max_new = self.s.max_new_tokens
+        if self.max_tokens is not None:  # prompt + answer must fit the context
+            if len(ids) >= self.max_tokens:
+                raise RowFailed(f"context overflow: the prompt has {len(ids)} tokens, the "
+                                f"server takes at most {self.max_tokens} per request (its "
+                                "context length less a reserve)")
+            max_new = min(max_new, self.max_tokens - len(ids))
+        body = {"rid": RID_PREFIX + uuid.uuid4().hex, "input_ids": ids,
+                # special tokens stay in the text: the parsers look for them
+                "sampling_params": {**self.s.sampling, "max_new_tokens": max_new,
+                                    "skip_special_tokens": False}}
+        out = self.client.post("/generate", body)
+        finish = out["meta_info"].get("finish_reason") or {}
+        if finish.get("type") == "abort":
+            raise RowFailed(f"the server aborted the request: {finish.get('message')}")
+        return out
+
+    def _message(self, out: dict[str, Any], plan: Plan, row_id: str, turn: int,
+                 history_calls: int) -> dict[str, Any]:
+        """The assistant message of one answer, split by the server's parsers."""
+        msg: dict[str, Any] = {"role": "assistant", "content": out["text"]}
+        if self.reasoning_parser:
+            sep = self.client.post("/separate_reasoning", {
+                "text": msg["content"], "reasoning_parser": self.reasoning_parser})
+            msg["content"] = sep["text"]
+            if sep.get("reasoning_text"):
+                msg["reasoning_content"] = sep["reasoning_text"]
+        if self.tool_call_parser and plan.tools:
+            parsed = self.client.post("/parse_function_call", {
+                "text": msg["content"], "tool_call_parser": self.tool_call_parser,
+                "tools": plan.tools})
+            if parsed["calls"]:
+                msg["content"] = parsed["normal_text"]
+                msg["tool_calls"] = [
+                    {"id": _tool_call_id(self.tool_call_parser, row_id, turn, c, history_calls),
+                     "type": "function",
+                     "function": {"name": c["name"], "arguments": c["parameters"]}}
+                    for c in parsed["calls"]]
+        msg["token_ids"] = out["output_ids"]
+        return msg
+
+    def process(self, row_id: str, obj: dict[str, Any], plan: Plan) -> RowResult:
+        """Regenerate the planned turns of one row; raise RowFailed (or ServerDown)."""
+        messages = [dict(m) for m in plan.messages]
+        prompt_tokens = tokens = 0
+        finish: list[str] = []
+        for turn in plan.turns:
+            with self._render_lock:
+                ids = prompt_ids(self.tokenizer, messages[:turn], plan.tools)
+            out = self._generate(ids)
+            history = sum(len(m.get("tool_calls") or ()) for m in messages[:turn])
+            msg = self._message(out, plan, row_id, turn, history)
+            messages[turn:turn + 1] = [msg]
+            prompt_tokens += len(ids)
+            tokens += len(msg["token_ids"])
+            finish.append(out["meta_info"]["finish_reason"]["type"])
+        record = {"policy": plan.mode, "agent_trace": plan.agent, "turns": plan.turns,
+                  "finish_reasons": finish, "cut": "length" in finish,
+                  "sampling": self.s.sampling, "max_new_tokens": self.s.max_new_tokens}
+        # the normalized conversation replaces the row's own (a top-level system prompt is in it)
+        row = {k: v for k, v in obj.items() if k not in ("messages", "conversations", "system")}
+        row.update(id=obj.get("id", row_id), messages=messages)
+        if plan.tools is not None:
+            row["tools"] = plan.tools
+        row[ROW_FIELD] = record
+        return RowResult(row, prompt_tokens, tokens, finish)
+
+
+# ------------------------------------------------------------------------------ report
+
+
+@dataclass
+class RegenReport:
+    """What one run did; ``to_json`` is the JSON report."""
+
+    shard: str
+    out: str
+    dataset: str
+    server: str
+    sampling: dict[str, Any]
+    max_new_tokens: int
+    agent_policy: str
+    rows: int = 0
+    already_done: int = 0
+    turns: int = 0
+    prompt_tokens: int = 0
+    tokens: int = 0
+    wall_s: float = 0.0
+    finish_reasons: dict[str, int] = field(default_factory=dict)
+    cut_rows: list[str] = field(default_factory=list)
+    agent_rows_last_turn: int = 0
+    rows_in_output: int = 0
+    stopped: str | None = None
+    issues: list[SampleIssue] = field(default_factory=list)
+
+    def add_ok(self, row_id: str, res: RowResult) -> None:
+        self.rows += 1
+        self.turns += len(res.finish)
+        self.prompt_tokens += res.prompt_tokens
+        self.tokens += res.tokens
+        for reason in res.finish:
+            self.finish_reasons[reason] = self.finish_reasons.get(reason, 0) + 1
+        if "length" in res.finish:
+            self.cut_rows.append(row_id)
+        self.agent_rows_last_turn += res.row[ROW_FIELD]["policy"] == "last-turn"
+
+    def stop(self, reason: str) -> None:
+        self.stopped = self.stopped or reason
+
+    def count(self, kind: str) -> int:
+        return sum(i.kind == kind for i in self.issues)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    def exit_code(self) -> int:
+        if self.stopped:
+            return EXIT_STOPPED
+        return EXIT_WITH_ISSUES if self.issues else EXIT_OK
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.update(failed=self.count("failed"), skipped=self.count("skipped"),
+                   tokens_per_s=round(self.tokens_per_s, 1), wall_s=round(self.wall_s, 3))
+        return out
+
+
+def print_summary(report: RegenReport, report_path: Path) -> None:
+    """The end-of-run table, the issues (at most 20), the cut rows and the report's path."""
+    finish = ", ".join(f"{k} {v:,}" for k, v in sorted(report.finish_reasons.items()))
+    rows = [
+        ("rows regenerated", f"{report.rows:,}"),
+        ("already done", f"{report.already_done:,}"),
+        ("failed", f"{report.count('failed'):,}"),
+        ("skipped", f"{report.count('skipped'):,}"),
+        ("turns generated", f"{report.turns:,}"),
+        ("tokens generated", f"{report.tokens:,}"),
+        ("prompt tokens", f"{report.prompt_tokens:,}"),
+        ("finish reasons", finish or "-"),
+        ("cut at the limit", f"{len(report.cut_rows):,} rows (--max-new-tokens "
+                             f"{report.max_new_tokens})"),
+        ("agent rows", f"{report.agent_rows_last_turn:,} with only the last turn regenerated"),
+        ("wall time", f"{report.wall_s:.1f} s"),
+        ("throughput", f"{report.tokens_per_s:,.0f} generated tokens/s"),
+        ("output", f"{report.rows_in_output:,} rows in {report.out}"),
+    ]
+    print(f"hsdump regenerate: shard {report.shard}, sampling {json.dumps(report.sampling)}")
+    print(format_table(rows))
+    for issue in report.issues[:20]:
+        print(f"  {issue.kind}: {issue.where or issue.id}: {issue.reason}")
+    if len(report.issues) > 20:
+        print(f"  ... {len(report.issues) - 20} more in the report")
+    if report.cut_rows:
+        shown = ", ".join(report.cut_rows[:10])
+        print(f"  cut at --max-new-tokens: {shown}{' ...' if len(report.cut_rows) > 10 else ''}")
+    if report.stopped:
+        print(f"STOPPED: {report.stopped}")
+    print(f"report: {report_path}")
+
+
+# ------------------------------------------------------------------------------ the run
+
+
+def _planned(dataset: Path, refs: list[Any], policy: str
+             ) -> Iterator[tuple[str, str, dict[str, Any], Plan] | SampleError]:
+    """Each row as ``(id, file:line, object, plan)``, or the SampleError saying why it is
+    unfit."""
+    with open(dataset, "rb") as f:
+        for ref in refs:
+            where = f"{dataset}:{ref.line}"
+            f.seek(ref.offset)
+            try:
+                obj = _parse_line(f.readline(), where)
+                yield ref.id, where, obj, plan_row(obj, where, policy)
+            except SampleError as e:
+                e.sample_id = ref.id
+                yield e
+
+
+def run(s: Settings, regen: Regenerator, items: Iterator[Any], total: int, log: RowLog,
+        report: RegenReport) -> None:
+    """Regenerate ``items`` with bounded concurrency, appending finished rows to ``log``."""
+    t0 = time.monotonic()
+    pending: dict[cf.Future[RowResult], tuple[str, str]] = {}
+    consecutive = 0
+    bar = tqdm(total=total, unit="row", disable=not s.progress, dynamic_ncols=True,
+               file=sys.stderr)
+
+    def issue(kind: str, row_id: str | None, where: str | None, reason: str) -> None:
+        nonlocal consecutive
+        report.issues.append(SampleIssue(kind, row_id, where, reason))
+        bar.update(1)
+        if s.on_error == "fail":
+            report.stop(f"{where or row_id}: {reason} (--on-error fail)")
+        consecutive += kind == "failed"
+        if consecutive >= s.max_consecutive_errors:
+            report.stop(f"{consecutive} rows in a row failed (--max-consecutive-errors); last: "
+                        f"{reason}")
+
+    def collect(block: bool) -> None:
+        nonlocal consecutive
+        done, _ = cf.wait(pending, timeout=None if block else 0, return_when=cf.FIRST_COMPLETED)
+        for fut in done:
+            row_id, where = pending.pop(fut)
+            try:
+                res = fut.result()
+            except RowFailed as e:
+                issue("failed", row_id, where, str(e))
+                continue
+            except Exception as e:  # server down, local fault: stop, do not spin
+                report.stop(f"{where}: {e}" if isinstance(e, ex.ServerDown)
+                            else f"{where}: {type(e).__name__}: {e}")
+                issue("failed", row_id, where, f"{type(e).__name__}: {e}")
+                continue
+            consecutive = 0
+            log.append(res.row)
+            report.add_ok(row_id, res)
+            bar.update(1)
+            bar.set_postfix_str(f"{report.tokens / max(time.monotonic() - t0, 1e-9):,.0f} tok/s",
+                                refresh=False)
+
+    with cf.ThreadPoolExecutor(s.concurrency, thread_name_prefix="hsdump-regen") as pool:
+        try:
+            for item in items:
+                if report.stopped:
+                    break
+                if isinstance(item, SampleError):
+                    issue("skipped", item.sample_id, item.where, item.problem)
+                    continue
+                while len(pending) >= s.concurrency:
+                    collect(block=True)
+                row_id, where, obj, plan = item
+                pending[pool.submit(regen.process, row_id, obj, plan)] = (row_id, where)
+                collect(block=False)
+            while pending:
+                collect(block=True)
+        finally:
+            bar.close()
+    report.wall_s = time.monotonic() - t0
+
+
+def regenerate(args: argparse.Namespace) -> RegenReport:
+    """Run one regeneration from parsed flags; return its report."""
+    client = RegenClient(args.server, request_timeout=args.request_timeout,
+                         retries=args.retries, retry_wait=args.retry_wait)
+    model_info = client.model_info()
+    model = args.model or model_info.get("tokenizer_path") or model_info.get("model_path")
+    server_args = client.server_args()
+    trust = args.trust_remote_code or bool(server_args.get("trust_remote_code"))
+    s = settings_from_args(args, resolve_sampling(args, model, trust))
+    dataset: Path = args.dataset
+    tokenizer = ex.load_tokenizer(model, trust)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"the tokenizer of {model} has no chat template: chat rows cannot be "
+                         "rendered")
+    # max_req_input_len: the context length less a small reserve (sglang 0.5.23 /server_info)
+    regen = Regenerator(s, client, tokenizer, model_info, server_args.get("max_req_input_len"))
+
+    shard: Shard = args.shard
+    refs, bad = index_dataset(dataset)
+    refs = [r for r in refs if shard.contains(r.id)]
+    bad = [e for e in bad if shard.contains(e.sample_id or e.where)]
+    report = RegenReport(shard=str(shard), out=str(s.out), dataset=str(dataset),
+                         server=s.server, sampling=s.sampling,
+                         max_new_tokens=s.max_new_tokens, agent_policy=s.agent_policy)
+    with RowLog(s.out) as log:
+        todo = [r for r in refs if r.id not in log.done]
+        report.already_done = len(refs) - len(todo)
+
+        def items() -> Iterator[Any]:
+            yield from bad
+            yield from _planned(dataset, todo, s.agent_policy)
+
+        try:
+            run(s, regen, items(), len(bad) + len(todo), log, report)
+        finally:
+            report.rows_in_output = log.assemble(r.id for r in refs)
+    return report
+
+
+# ------------------------------------------------------------------------------ CLI
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register ``hsdump regenerate``."""
+    p = subparsers.add_parser(
+        "regenerate", help="let the served model write the answers of a chat dataset",
+        description=__doc__.splitlines()[0])
+    p.add_argument("--server", default=ex.DEFAULT_SERVER,
+                   help=f"SGLang server URL (default {ex.DEFAULT_SERVER})")
+    p.add_argument("--dataset", type=Path, required=True,
+                   help="JSONL of messages / conversations rows (required)")
+    p.add_argument("--out", type=Path, required=True,
+                   help="output JSONL, messages rows with token_ids on every regenerated "
+                        "assistant turn (required; one per shard)")
+    p.add_argument("--model", default=None,
+                   help="model dir or hub id for the tokenizer, chat template and "
+                        "generation_config (default: the server's tokenizer path)")
+    g = p.add_argument_group("sampling (default: the model's generation_config.json, else "
+                             "greedy)")
+    g.add_argument("--temperature", type=float, default=None,
+                   help="default: generation_config, else 0 (greedy)")
+    g.add_argument("--top-p", type=float, default=None, help="default: generation_config, else 1")
+    g.add_argument("--top-k", type=int, default=None,
+                   help="default: generation_config, else -1 (all)")
+    g.add_argument("--min-p", type=float, default=None, help="default: generation_config, else 0")
+    g.add_argument("--repetition-penalty", type=float, default=None,
+                   help="default: generation_config, else 1")
+    g.add_argument("--seed", dest="sampling_seed", type=int, default=None,
+                   help="sampling seed sent with each request (default: none)")
+    p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
+                   help="generated tokens per assistant turn, capped by the server's context "
+                        f"length; rows that hit it are flagged (default {DEFAULT_MAX_NEW_TOKENS})")
+    p.add_argument("--agent-policy", choices=AGENT_POLICIES, default=DEFAULT_AGENT_POLICY,
+                   help="rows whose tool results answer earlier tool calls: regenerate only the "
+                        "last assistant turn (last) or every turn (all) (default "
+                        f"{DEFAULT_AGENT_POLICY})")
+    p.add_argument("--concurrency", type=int, default=DEFAULT_CONCURRENCY,
+                   help=f"rows in flight (default {DEFAULT_CONCURRENCY})")
+    p.add_argument("--shard", type=Shard.parse, default=Shard(),
+                   help="i/N: only shard i of N (hash of the id, as hsdump extract; default 0/1)")
+    p.add_argument("--on-error", choices=("skip", "fail"), default="fail",
+                   help="on a bad row or failed request: list it and go on (skip) or stop the "
+                        "run (fail) (default fail)")
+    p.add_argument("--max-consecutive-errors", type=int, default=ex.DEFAULT_MAX_CONSECUTIVE_ERRORS,
+                   help="stop after this many failed rows in a row, even with --on-error skip "
+                        f"(default {ex.DEFAULT_MAX_CONSECUTIVE_ERRORS})")
+    p.add_argument("--request-timeout", type=float, default=ex.DEFAULT_REQUEST_TIMEOUT,
+                   help="seconds to wait for one answer (default "
+                        f"{ex.DEFAULT_REQUEST_TIMEOUT:g})")
+    p.add_argument("--retries", type=int, default=ex.DEFAULT_RETRIES,
+                   help="retries on connection errors, with exponential backoff (default "
+                        f"{ex.DEFAULT_RETRIES})")
+    p.add_argument("--retry-wait", type=float, default=ex.DEFAULT_RETRY_WAIT,
+                   help=f"first backoff in seconds (default {ex.DEFAULT_RETRY_WAIT:g})")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="allow the tokenizer's custom code (default off, unless the server "
+                        "itself runs with --trust-remote-code)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (default: shown)")
+    p.add_argument("--report", type=Path, default=None,
+                   help="JSON report path (default OUT with the suffix .report.json)")
+    p.set_defaults(func=main)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Parse ``hsdump regenerate`` flags, for callers that run it in-process."""
+    parser = argparse.ArgumentParser(prog="hsdump")
+    add_parser(parser.add_subparsers())
+    return parser.parse_args(["regenerate", *argv])
+
+
+def settings_from_args(args: argparse.Namespace, sampling: dict[str, Any]) -> Settings:
+    """Settings from parsed flags and the resolved sampling."""
+    return Settings(
+        server=args.server, out=args.out, sampling=sampling,
+        max_new_tokens=args.max_new_tokens, concurrency=args.concurrency,
+        agent_policy=args.agent_policy, on_error=args.on_error,
+        request_timeout=args.request_timeout, retries=args.retries,
+        retry_wait=args.retry_wait, max_consecutive_errors=args.max_consecutive_errors,
+        progress=not args.no_progress)
+
+
+def report_path(args: argparse.Namespace) -> Path:
+    return args.report or args.out.with_suffix(".report.json")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``hsdump regenerate``; exit 0 all rows done, 3 with skipped/failed rows, 1 stopped."""
+    try:
+        report = regenerate(args)
+    except (ex.ServerDown, ValueError, RuntimeError, OSError) as e:
+        print(f"hsdump regenerate: error: {e}", file=sys.stderr)
+        return EXIT_STOPPED
+    path = report_path(args)
+    protocol.write_json_atomic(path, report.to_json())
+    print_summary(report, path)
+    return report.exit_code()

@@ -1,0 +1,292 @@
+"""``hsdump regenerate`` against the session's real CPU SGLang server (tiny Llama, greedy).
+
+Its rids lack the dump prefix, so the dump-enabled ``llama_server`` dumps nothing for them and
+the same server then extracts the regenerated dataset. Prompts are short and
+``--max-new-tokens`` small: the random-weight model rarely stops on its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from hsdump_patch.cli import main as cli
+from hsdump_patch.client import records
+from hsdump_patch.client.conversation import prompt_ids
+from hsdump_patch.client.regen_plan import plan_row
+from hsdump_patch.client.regenerate import ROW_FIELD, RegenClient, Regenerator
+from hsdump_patch.client.rowlog import RowLog
+from hsdump_patch.reader import iter_records
+from tests.harness import server as srv
+from tests.test_client_dataset import CONV, openai_row, sharegpt_row, write_jsonl
+
+REPO = Path(__file__).resolve().parents[1]
+NEW = 6  # --max-new-tokens
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}]
+AGENT = {"id": "agent", "tools": TOOLS, "messages": [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "", "tool_calls": [{
+        "id": "call_1", "type": "function",
+        "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C"},
+    {"role": "assistant", "content": "It is sunny in Paris."},
+]}
+
+
+def rows_for(prefix: str = "") -> list[dict]:
+    """Single- and multi-turn rows in both chat shapes, one ending in a user turn, one agent."""
+    return [
+        openai_row([("user", "What is the capital of France?")], id=f"{prefix}prompt-only"),
+        openai_row(CONV, id=f"{prefix}multi"),
+        sharegpt_row(CONV[1:3], id=f"{prefix}sharegpt"),
+        openai_row(CONV[:4], id=f"{prefix}ends-with-user"),
+        {**AGENT, "id": f"{prefix}agent"},
+    ]
+
+
+def regenerate(server, dataset: Path, out: Path, *extra: str) -> int:
+    return cli(["regenerate", "--server", server.url, "--dataset", str(dataset), "--out",
+                str(out), "--max-new-tokens", str(NEW), "--no-progress", *extra])
+
+
+def read_rows(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def report_of(out: Path) -> dict:
+    return json.loads(out.with_suffix(".report.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_models):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_models / "tiny-llama")
+
+
+def generate(server, ids: list[int]) -> list[int]:
+    return server.server.generate(ids, max_new_tokens=NEW)["output_ids"]
+
+
+@pytest.mark.server
+def test_greedy_regeneration_is_deterministic_and_equals_generate(
+        tmp_path, llama_server, tokenizer):
+    """Twice the same bytes; every turn's token ids are what /generate gives for its prompt,
+    and each later prompt holds the regenerated earlier turns."""
+    rows = rows_for()
+    dataset = write_jsonl(tmp_path / "d.jsonl", rows)
+    outs = [tmp_path / "a.jsonl", tmp_path / "b.jsonl"]
+    for out in outs:
+        assert regenerate(llama_server, dataset, out, "--concurrency", "4") == 0
+    assert outs[0].read_bytes() == outs[1].read_bytes()
+    rep = report_of(outs[0])
+    got = read_rows(outs[0])
+    assert [r["id"] for r in got] == [r["id"] for r in rows]  # dataset order
+    assert (rep["rows"], rep["failed"], rep["skipped"], rep["stopped"]) == (5, 0, 0, None)
+    assert rep["turns"] == 1 + 2 + 1 + 2 + 1 and rep["tokens"] > 0
+    assert rep["sampling"] == {"temperature": 0.0}  # no temperature in generation_config
+
+    for row, src in zip(got, rows, strict=True):
+        meta, msgs = row[ROW_FIELD], row["messages"]
+        assert "conversations" not in row
+        for k, m in enumerate(msgs):
+            if k in meta["turns"]:
+                ids = prompt_ids(tokenizer, msgs[:k], row.get("tools"))
+                assert m["token_ids"] == generate(llama_server, ids), (row["id"], k)
+                assert len(m["token_ids"]) <= NEW
+            else:
+                assert "token_ids" not in m
+        assert meta["cut"] == ("length" in meta["finish_reasons"])
+        assert rep["cut_rows"].count(row["id"]) == int(meta["cut"])
+        if src["id"] == "multi":
+            assert meta["turns"] == [2, 4] and meta["policy"] == "all-turns"
+            assert msgs[2]["content"] != CONV[2][1]  # the prompt of turn 4 holds the new turn 2
+        if src["id"] == "ends-with-user":
+            assert meta["turns"] == [2, 4] and len(msgs) == 5  # a new last turn appended
+    agent = got[-1]
+    assert agent[ROW_FIELD]["policy"] == "last-turn" and agent[ROW_FIELD]["turns"] == [3]
+    assert agent["messages"][:3] == AGENT["messages"][:3]  # original calls and results kept
+    assert rep["agent_rows_last_turn"] == 1
+
+
+@pytest.mark.server
+def test_regenerated_rows_go_through_extract_in_both_formats(tmp_path, llama_server, tokenizer):
+    """Extraction uses the generated ids verbatim: the sample of a row's last regenerated turn
+    is its prompt + the generated ids, masked exactly on those ids."""
+    rows = rows_for("x-")
+    dataset = write_jsonl(tmp_path / "d.jsonl", rows)
+    regen = tmp_path / "regen.jsonl"
+    assert regenerate(llama_server, dataset, regen, "--concurrency", "3") == 0
+    for fmt in records.FORMATS:
+        out = tmp_path / fmt
+        assert cli(["extract", "--server", llama_server.url, "--dump-dir",
+                    str(llama_server.dump_dir), "--dataset", str(regen), "--out", str(out),
+                    "--format", fmt, "--no-progress"]) == 0
+        recs = dict(iter_records(out))
+        for row in read_rows(regen):
+            last = row[ROW_FIELD]["turns"][-1]
+            msgs = row["messages"]
+            want = prompt_ids(tokenizer, msgs[:last], row.get("tools"))
+            gen = msgs[last]["token_ids"]
+            # one sample per row, or one per turn (ids <id>, <id>#<turn>): H2's policy
+            rec = recs.get(f"{row['id']}#{last}", recs[row["id"]])
+            assert rec["input_ids"].tolist() == want + gen, (fmt, row["id"])
+            mask = rec["loss_mask"].tolist()
+            assert mask[len(want):] == [1] * len(gen), (fmt, row["id"])
+            if len(row[ROW_FIELD]["turns"]) == 1:
+                assert mask == [0] * len(want) + [1] * len(gen), (fmt, row["id"])
+
+
+@pytest.mark.server
+def test_kill_9_midway_then_rerun_gives_every_row_once(tmp_path, llama_server):
+    rows = [openai_row([("user", f"Question {i}: what is the quick brown fox?")], id=f"k{i}")
+            for i in range(30)]
+    dataset = write_jsonl(tmp_path / "d.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    cmd = [sys.executable, "-m", "hsdump_patch.cli", "regenerate", "--server", llama_server.url,
+           "--dataset", str(dataset), "--out", str(out), "--max-new-tokens", "24",
+           "--concurrency", "2", "--no-progress"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    part = tmp_path / "out.jsonl.part"
+    deadline = time.monotonic() + 240
+    while not (part.exists() and part.read_bytes().count(b"\n") >= 3):
+        assert proc.poll() is None, proc.stderr.read().decode()
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    first = part.read_bytes().count(b"\n")
+    assert 3 <= first < len(rows), "the kill must land mid-run"
+    with open(part, "ab") as f:  # and a line torn by a crash mid-write
+        f.write(b'{"id": "k29", "messages": [{"role": "us')
+
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = read_rows(out)
+    assert [row["id"] for row in got] == [row["id"] for row in rows]  # once each, in order
+    rep = report_of(out)
+    assert rep["already_done"] >= first and rep["already_done"] + rep["rows"] == len(rows)
+    assert sorted(p for p in os.listdir(tmp_path) if not p.endswith(".lock")) == [
+        "d.jsonl", "out.jsonl", "out.report.json"]  # no part or temp file left
+
+
+@pytest.mark.server
+def test_bad_rows_are_reported_with_reasons_and_the_run_goes_on(tmp_path, llama_server, capsys):
+    long = " ".join(["The quick brown fox jumps over the lazy dog."] * 500)  # > 4096 tokens
+    rows = [
+        openai_row([("user", "Hello world")], id="ok1"),
+        openai_row([("system", "You are terse."), ("assistant", "Hi")], id="no-user"),
+        openai_row([("user", "  "), ("assistant", "Hi")], id="empty"),
+        {"id": "pretok", "input_ids": [1, 2], "loss_mask": [0, 1]},
+        "{broken",
+        openai_row([("user", long)], id="overflow"),
+        openai_row([("user", "Hello again")], id="ok2"),
+    ]
+    dataset = write_jsonl(tmp_path / "d.jsonl", rows)
+    out = tmp_path / "skip.jsonl"
+    assert regenerate(llama_server, dataset, out, "--on-error", "skip") == 3
+    rep = report_of(out)
+    assert (rep["rows"], rep["skipped"], rep["failed"], rep["stopped"]) == (2, 4, 1, None)
+    reasons = {i["id"] or i["where"]: i["reason"] for i in rep["issues"]}
+    assert "no user turn" in reasons["no-user"]
+    assert "message 0 (user) has empty content" in reasons["empty"]
+    assert "pre-tokenized row cannot be regenerated" in reasons["pretok"]
+    assert "not valid JSON" in reasons[f"{dataset}:5"]
+    assert "context overflow: the prompt has" in reasons["overflow"]
+    assert [r["id"] for r in read_rows(out)] == ["ok1", "ok2"]
+    assert "failed: " in capsys.readouterr().out
+
+    out = tmp_path / "fail.jsonl"  # --on-error fail: stop at the first bad row
+    assert regenerate(llama_server, dataset, out, "--on-error", "fail", "--concurrency", "1") == 1
+    assert "no user turn" in report_of(out)["stopped"]
+
+    out = tmp_path / "timeout.jsonl"  # a server that does not answer in time
+    assert regenerate(llama_server, dataset, out, "--on-error", "skip", "--request-timeout",
+                      "0.05", "--max-new-tokens", "300") == 3
+    rep = report_of(out)
+    assert rep["rows"] == 0 and rep["failed"] == 3
+    assert all("--request-timeout" in i["reason"] for i in rep["issues"] if i["kind"] == "failed")
+
+
+def test_a_server_that_is_down_stops_the_run_with_its_url(tmp_path, capsys):
+    dataset = write_jsonl(tmp_path / "d.jsonl", rows_for())
+    url = f"http://127.0.0.1:{srv.free_port()}"
+    assert cli(["regenerate", "--server", url, "--dataset", str(dataset), "--out",
+                str(tmp_path / "o.jsonl"), "--retries", "1", "--retry-wait", "0.05"]) == 1
+    assert f"the server at {url} is unreachable" in capsys.readouterr().err
+
+
+@pytest.mark.server
+def test_reasoning_and_tool_calls_go_through_sglangs_own_parsers(llama_server, tokenizer):
+    """The server's /separate_reasoning and /parse_function_call split an answer; the token ids
+    stay as generated."""
+    client = RegenClient(llama_server.url, request_timeout=60, retries=0, retry_wait=0.1)
+    regen = Regenerator(None, client, tokenizer, {"reasoning_parser": "deepseek-r1",
+                                                  "tool_call_parser": "qwen25"}, None)
+    plan = plan_row({"messages": [{"role": "user", "content": "Weather?"}], "tools": TOOLS}, "t")
+    text = ("<think>The user wants the weather.</think>Let me check.\n<tool_call>\n"
+            '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
+    msg = regen._message({"text": text, "output_ids": [5, 6, 7]}, plan, "r", 1, 0)
+    assert msg["reasoning_content"] == "The user wants the weather."
+    assert msg["content"].strip() == "Let me check."
+    [call] = msg["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+    assert call["id"].startswith("call_") and msg["token_ids"] == [5, 6, 7]
+    r = requests.get(f"{llama_server.url}/model_info", timeout=30).json()
+    assert r["reasoning_parser"] is None  # this server runs without parsers: text kept whole
+
+
+def test_agent_policy_keeps_the_calls_or_regenerates_all():
+    assert plan_row(AGENT, "t").turns == [3]
+    assert plan_row(AGENT, "t", "all").turns == [1, 3]
+    ends_with_tool = {"messages": AGENT["messages"][:3]}
+    assert plan_row(ends_with_tool, "t").turns == [3]  # a new final answer appended
+    plain = openai_row(CONV)
+    assert plan_row(plain, "t").turns == [2, 4] and not plan_row(plain, "t").agent
+
+
+def test_row_log_reads_every_row_once_after_a_crash_at_any_step(tmp_path):
+    out = tmp_path / "o.jsonl"
+    with RowLog(out) as log:
+        for i in "abc":
+            log.append({"id": i, "v": i})
+        assert log.assemble(["c", "b", "a"]) == 3
+    # killed after the rename, before the part file was deleted (rows in both), with a torn
+    # line at the end of the part file and the temp file of a later assembly left behind
+    (tmp_path / "o.jsonl.part").write_text(out.read_text() + '{"id": "d"}\n{"id": "e", "v"')
+    (tmp_path / ".o.jsonl.tmp-123").write_text('{"id": "x"}')
+    with RowLog(out) as log:
+        assert sorted(log.done) == ["a", "b", "c", "d"]
+        with pytest.raises(RuntimeError, match="another hsdump process is writing"):
+            RowLog(out)
+        assert log.assemble(["a", "b", "c", "d", "e"]) == 4
+    assert [json.loads(x)["id"] for x in out.read_text().splitlines()] == ["a", "b", "c", "d"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".o.jsonl.lock", "o.jsonl"]
+
+
+@pytest.mark.server
+def test_make_recipe_regenerates_then_extracts_on_one_server(tmp_path, llama_server):
+    dataset = write_jsonl(tmp_path / "d.jsonl", rows_for("m-")[:2])
+    out = tmp_path / "records"
+    r = subprocess.run(
+        ["make", "-s", "regenerate-extract", f"SERVER={llama_server.url}",
+         f"DUMP_DIR={llama_server.dump_dir}", f"DATASET={dataset}", f"OUT={out}",
+         f"REGENERATE_ARGS=--max-new-tokens {NEW}"],
+        cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert len(read_rows(out / "regenerated.jsonl")) == 2
+    recs = dict(iter_records(out))
+    assert {"m-multi", "m-prompt-only"} <= recs.keys()
+    assert recs["m-prompt-only"]["loss_mask"].sum() > 0
