@@ -400,7 +400,8 @@ def measure_writer(wl: Workload, root: Path, *, cap: int, threads: int, min_free
         w.flush()
         seconds = time.perf_counter() - t0
         writer_cpu = thread_cpu_s(w.thread_ids) - wcpu0
-        device_peak = _device_peak(wl.device, dev0)
+        # Less the read-back check's own device copy of one forward.
+        device_peak = _device_peak(wl.device, dev0, sum(t.nbytes for t in kept or ()))
         rss_peak = sampler.rss_peak  # before the read-back check loads files
         checked, errors = _verify(root, wl, tag, forwards, keep, kept)
         runs.append(WriterRun(
@@ -430,9 +431,12 @@ def _device_mark(device: torch.device) -> int:
     return torch.cuda.memory_allocated()
 
 
-def _device_peak(device: torch.device, start: int) -> int:
-    """Peak device bytes allocated in the window above its start (0 off CUDA)."""
-    return torch.cuda.max_memory_allocated() - start if device.type == "cuda" else 0
+def _device_peak(device: torch.device, start: int, excluded: int) -> int:
+    """Peak device bytes allocated in the window above its start, less ``excluded`` bytes
+    that the benchmark itself held (0 off CUDA)."""
+    if device.type != "cuda":
+        return 0
+    return torch.cuda.max_memory_allocated() - start - excluded
 
 
 # ------------------------------------------------------------------------------ report
@@ -453,7 +457,7 @@ class Row:
     rss_growth_mb: float | None = None
     writer_cpu_s_per_gb: float | None = None
     fwd_cpu_ms: float | None = None  # forward thread's CPU inside submit, per chunk
-    device_peak_mb: float | None = None  # extra device memory of the phase (JSON only)
+    device_peak_mb: float | None = None  # device memory above the reused buffer (JSON only)
     cap_wait_ms: float | None = None  # part of the stall spent waiting for the cap (JSON only)
 
 
