@@ -1,0 +1,625 @@
+"""``hsdump verify``: the acceptance run for a host, before a long extraction.
+
+It generates a small random model of the production architecture (DeepSeek-V3 / Kimi-K2.5:
+MLA + MoE, :mod:`hsdump_patch.ops.verify_model`), serves it with the ``hsdump serve`` profile
+at each tensor-parallel size, once with the dump on and once off, and checks:
+
+a. the dump equals SGLang's own EAGLE-3 capture (``--enable-return-aux-hidden-states``,
+   ``return_hidden_states``) of the same forward, bit for bit: batches of at most the fused
+   all-reduce threshold (2,048 tokens on GPU) and larger ones, a multi-chunk prompt, many
+   requests in one forward;
+b. the dump equals an independent float32 forward (HF transformers, same weights) within
+   ``verify_checks.BF16_MAX_REL`` / ``BF16_MEAN_REL``;
+c. outputs (token ids and every logprob) are bitwise identical with the dump on and off, once
+   each server has shown it repeats itself;
+d. every rank installed the capture and exactly one writes;
+e. the configurations the patch must refuse are refused (SGLang's resolved config, and a real
+   launch);
+f. the dump's overhead: prefill tokens/s on vs off, writer-rank vs other-rank peak GPU memory,
+   the writer rank's CPU time.
+
+Prints a verdict table, writes a JSON report, exits 1 on any FAIL. Without a GPU it runs the
+CPU variant (TP 1 and 2, proportionally smaller batches).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import re
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hsdump_patch import protocol
+from hsdump_patch.capture.config import ENV_DIR
+from hsdump_patch.client.assemble import read_request, wait_for_marker
+from hsdump_patch.client.records import RecordBuilder
+from hsdump_patch.client.report import format_table
+from hsdump_patch.ops import serve, verify_checks, verify_model
+from hsdump_patch.ops.verify_server import AUX_ARGS, CPU_SERVER_ARGS, VerifyServer, run_refused
+
+RID = "hsdump-verify-"
+PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
+# flashinfer's fused all-reduce + residual + RMSNorm, on by default for DeepSeek-V3 / Kimi-K2.5
+# on sm90 / sm100, runs for batches of at most 2,048 tokens; larger ones take the unfused path.
+GPU_FUSION_TOKENS = 2048
+CPU_FUSION_TOKENS = 64  # the CPU variant's stand-in: same cases, 32x smaller
+CPU_CHUNK = 2 * CPU_FUSION_TOKENS
+CHECKS = {
+    "a": "dump == SGLang's EAGLE-3 capture, bit for bit",
+    "b": "dump vs independent fp32 reference",
+    "c": "outputs identical, dump on vs off",
+    "d": "capture on every rank, one writer",
+    "e": "refused configurations are refused",
+    "f": "dump overhead",
+}
+# (name, extra SGLang flags or None = drop --disable-radix-cache, the flag the message names)
+REFUSED = [
+    ("radix cache on", None, "--disable-radix-cache"),
+    ("prefill graphs over --disable-cuda-graph",
+     ["--disable-cuda-graph", "--cuda-graph-backend-prefill", "breakable"],
+     "--cuda-graph-backend-prefill"),
+    ("PD multiplexing", ["--enable-pdmux"], "--enable-pdmux"),
+    ("DWDP (turns on attention DP)", ["--tp-size", "2", "--dwdp-size", "2"], "--dwdp-size"),
+    ("two-batch overlap", ["--enable-two-batch-overlap"], "--enable-two-batch-overlap"),
+    ("pipeline parallel", ["--pp-size", "2"], "--pp-size"),
+    ("multi-node --dp-size", ["--nnodes", "2", "--dp-size", "2", "--dist-init-addr",
+                              "127.0.0.1:50000"], "--dp-size"),
+]
+
+
+@dataclass
+class Verdict:
+    """One row of the verdict table."""
+
+    check: str
+    scope: str
+    verdict: str
+    detail: str
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Settings:
+    """What one verify run does (from the command line)."""
+
+    device: str
+    tps: list[int]
+    work: Path
+    fusion_tokens: int
+    min_prefill_ratio: float
+    max_writer_extra_mib: float
+    server_timeout: float
+    gen_tokens: int = 8
+    throughput_rounds: int = 3
+    progress: bool = True
+    extra_args: list[str] = field(default_factory=list)
+
+    @property
+    def sglang_extra(self) -> list[str]:
+        cpu = [*CPU_SERVER_ARGS, "--chunked-prefill-size", str(CPU_CHUNK)]
+        return [*(cpu if self.device == "cpu" else []), *AUX_ARGS, *self.extra_args]
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    """Deterministic random token ids (BOS first), valid for the generated tokenizer."""
+    rng = random.Random(seed)
+    return [1] + [rng.randrange(10, verify_model.VOCAB - 16) for _ in range(length - 1)]
+
+
+def aux_cases(t: int, chunk: int) -> dict[str, list[int]]:
+    """Prompt lengths per case of check (a), one ``/generate`` call (one batch) each, for a
+    fused all-reduce threshold ``t`` and the server's prefill chunk size ``chunk``."""
+    return {
+        f"one prompt, {3 * t // 4} tokens (<= {t})": [3 * t // 4],
+        f"one prompt, {min(3 * t // 2, chunk)} tokens (> {t})": [min(3 * t // 2, chunk)],
+        f"multi-chunk prompt, {2 * chunk + t // 4} tokens": [2 * chunk + t // 4],
+        f"8 requests x {t // 16} tokens (<= {t})": [t // 16] * 8,
+        f"8 requests x {t // 4} tokens (> {t})": [t // 4] * 8,
+    }
+
+
+def say(settings: Settings, msg: str) -> None:
+    if settings.progress:
+        print(f"hsdump verify: {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------- one server
+
+
+@dataclass
+class Dumped:
+    """A dumped prompt: its ids and the hidden states read back through the client."""
+
+    ids: list[int]
+    hidden: torch.Tensor  # [L, S, H], slots in server.json order (layers, then final)
+    chunk_starts: list[int]
+
+
+def read_dumped(dump_dir: Path, rid: str, ids: list[int], timeout: float = 300) -> Dumped:
+    """Wait for the request's marker, then read it with the client's own reader."""
+    status = wait_for_marker(dump_dir, rid, timeout)
+    if status is None or status.error is not None:
+        raise protocol.ProtocolError(
+            f"{rid}: " + ("no marker" if status is None else f"error marker: {status.error}"))
+    info = protocol.read_server_info(dump_dir)
+    builder = RecordBuilder("eagle3", len(ids), info)
+    read_request(dump_dir, rid, ids, info, builder)
+    slots = [*builder.layers, *([builder.final] if builder.final is not None else [])]
+    starts = [p for p, _ in protocol.list_chunks(dump_dir, rid)]
+    return Dumped(ids, torch.stack(slots, dim=1), starts)
+
+
+def _generate(server: VerifyServer, prompts: list[list[int]], rids: list[str],
+              **extra: Any) -> list[dict[str, Any]]:
+    body = {"input_ids": prompts if len(prompts) > 1 else prompts[0],
+            "rid": rids if len(rids) > 1 else rids[0],
+            "sampling_params": {"max_new_tokens": extra.pop("max_new_tokens", 1),
+                                "temperature": 0}, **extra}
+    out = server.post("/generate", body)
+    return out if isinstance(out, list) else [out]
+
+
+def _max_new_seqs(log_tail: str) -> int:
+    return max((int(n) for n in re.findall(r"Prefill batch.*?#new-seq: (\d+)", log_tail)),
+               default=0)
+
+
+def check_aux(server: VerifyServer, t: int, chunk: int, dumps: dict[str, Dumped]) -> Verdict:
+    """Check (a) on a dump-on server; every dumped prompt is kept in ``dumps`` for (b)."""
+    assert server.dump_dir is not None
+    rows, failures, seed = [], [], 1000 * server.tp
+    for case, lengths in aux_cases(t, chunk).items():
+        prompts = [prompt(seed + i, n) for i, n in enumerate(lengths)]
+        seed += len(lengths)
+        rids = [f"{RID}aux-tp{server.tp}-{seed}-{i}" for i in range(len(prompts))]
+        log_before = len(server.log())
+        outs = _generate(server, prompts, rids, return_hidden_states=True)
+        new_seqs = _max_new_seqs(server.log()[log_before:])
+        problems = []
+        for rid, ids, out in zip(rids, prompts, outs, strict=True):
+            try:
+                d = dumps[rid] = read_dumped(server.dump_dir, rid, ids)
+            except protocol.ProtocolError as e:
+                problems.append(str(e))
+                continue
+            builtin = torch.tensor(out["meta_info"]["hidden_states"][0])  # last chunk's rows
+            last = d.chunk_starts[-1]
+            k = d.hidden.shape[1] - int(protocol.read_server_info(server.dump_dir).has_final)
+            ours = d.hidden[last:, :k].reshape(len(ids) - last, -1)
+            bad = verify_checks.bitwise_mismatch(ours, builtin)
+            if bad:
+                problems.append(f"{rid}: {bad}")
+        chunks = max(len(dumps[r].chunk_starts) for r in rids if r in dumps) if dumps else 0
+        if "multi-chunk" in case and chunks < 2:
+            problems.append(f"the prompt was not split (1 chunk at --chunked-prefill-size "
+                            f"{chunk})")
+        if len(lengths) > 1 and new_seqs < 2:
+            problems.append("the requests never shared a forward (server log: at most "
+                            f"{new_seqs} new request per prefill batch)")
+        rows.append({"case": case, "chunks": chunks, "max_requests_per_forward": new_seqs,
+                     "ok": not problems, "problems": problems})
+        failures += [f"{case}: {p}" for p in problems]
+    total = sum(len(v) for v in aux_cases(t, chunk).values())
+    detail = (f"{total} prompts in {len(rows)} cases equal SGLang's capture bit for bit"
+              if not failures else "; ".join(failures[:3]))
+    return Verdict("a", f"tp {server.tp}", FAIL if failures else PASS, detail, {"cases": rows})
+
+
+def generate_outputs(server: VerifyServer, settings: Settings, run: int) -> dict[str, Any]:
+    """Greedy generations with every logprob, one request at a time (check c)."""
+    out = {}
+    for i, n in enumerate((settings.fusion_tokens // 4, settings.fusion_tokens)):
+        r = _generate(server, [prompt(7000 + i, n)], [f"{RID}gen-tp{server.tp}-{i}-run{run}"],
+                      max_new_tokens=settings.gen_tokens, return_logprob=True,
+                      top_logprobs_num=5, logprob_start_len=0)[0]
+        meta = r["meta_info"]
+        out[f"prompt {i} ({n} tokens)"] = {
+            "output_ids": r["output_ids"],
+            **{k: meta[k] for k in ("input_token_logprobs", "output_token_logprobs",
+                                    "output_top_logprobs")}}
+    return out
+
+
+def measure_prefill(server: VerifyServer, settings: Settings) -> dict[str, Any]:
+    """Prefill throughput of batches of 8 prompts of 3/4 threshold tokens (check f): one warm-up
+    round, then ``throughput_rounds`` timed ones; rank CPU seconds over the timed rounds."""
+    n = 3 * settings.fusion_tokens // 4
+    prompts = [prompt(9000 + i, n) for i in range(8)]
+
+    def one_round(r: int) -> float:
+        rids = [f"{RID}tput-tp{server.tp}-{r}-{i}" for i in range(len(prompts))]
+        t0 = time.perf_counter()
+        _generate(server, prompts, rids)
+        wall = time.perf_counter() - t0
+        if server.dump_dir is not None:
+            for rid in rids:
+                wait_for_marker(server.dump_dir, rid, 300)
+                shutil.rmtree(protocol.rid_dir(server.dump_dir, rid), ignore_errors=True)
+        return wall
+
+    one_round(0)
+    cpu0 = server.rank_cpu_seconds()
+    t0 = time.perf_counter()
+    prefill_wall = sum(one_round(r) for r in range(1, settings.throughput_rounds + 1))
+    total_wall = time.perf_counter() - t0
+    cpu1 = server.rank_cpu_seconds()
+    tokens = n * len(prompts) * settings.throughput_rounds
+    return {"tokens": tokens, "prefill_tokens_per_s": tokens / prefill_wall,
+            "end_to_end_tokens_per_s": tokens / total_wall,
+            "rank_cpu_s": {r: round(cpu1[r] - cpu0.get(r, 0.0), 3) for r in cpu1}}
+
+
+def check_ranks(server: VerifyServer) -> Verdict:
+    """Check (d): every rank logged an installed capture, one as the writer; server.json
+    names the writer's process."""
+    assert server.dump_dir is not None
+    log = server.log()
+    writers, others = log.count("; writer rank"), log.count("; non-writer rank")
+    pids = server.rank_pids()
+    info = protocol.read_server_info(server.dump_dir)
+    problems = []
+    if writers != 1:
+        problems.append(f"{writers} ranks logged an installed writer capture (expected 1)")
+    if others != server.tp - 1:
+        problems.append(f"{others} ranks logged a non-writer capture (expected {server.tp - 1})")
+    if info.tp_size != server.tp:
+        problems.append(f"server.json says tp_size {info.tp_size}")
+    if pids and info.pid != pids.get(0):
+        problems.append(f"server.json was written by pid {info.pid}, not TP rank 0 "
+                        f"({pids.get(0)})")
+    strays = [e.name for e in os.scandir(server.dump_dir)
+              if e.is_dir() and not e.name.startswith(protocol.rid_dirname(RID))]
+    if strays:
+        problems.append(f"request dirs of other rids: {strays[:3]}")
+    data = {"writer_lines": writers, "non_writer_lines": others, "rank_pids": pids,
+            "server_json_pid": info.pid, "layers": list(info.layers), "final": info.has_final}
+    detail = (f"{server.tp} of {server.tp} ranks installed the capture; rank 0 "
+              f"(pid {info.pid}) is the only writer; layers {list(info.layers)}"
+              f"{' + final' if info.has_final else ''}")
+    return Verdict("d", f"tp {server.tp}", FAIL if problems else PASS,
+                   "; ".join(problems) or detail, data)
+
+
+@dataclass
+class TpRun:
+    """What the dump-on and dump-off servers of one TP size returned."""
+
+    tp: int
+    verdicts: list[Verdict] = field(default_factory=list)
+    gen: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # on/off: 2 runs
+    tput: dict[str, dict[str, Any]] = field(default_factory=dict)
+    memory: dict[str, dict[int, int] | str] = field(default_factory=dict)
+    dump_bytes_per_token: int = 0
+
+
+def run_tp(settings: Settings, model: Path, tp: int, dumps: dict[str, Dumped]) -> TpRun:
+    """Start the dump-on server, then the dump-off one, of one TP size, one at a time."""
+    res = TpRun(tp)
+    for dump in (True, False):
+        name = f"tp{tp}-{'on' if dump else 'off'}"
+        say(settings, f"starting the {name} server")
+        server = VerifyServer.start(name, model, tp, settings.work, dump=dump,
+                                    device=settings.device, extra=settings.sglang_extra,
+                                    env={}, timeout=settings.server_timeout)
+        try:
+            say(settings, f"{name}: ready in {server.started_s:.0f} s; checking")
+            key = "on" if dump else "off"
+            if dump:
+                chunk = int(server.server_info().get("chunked_prefill_size") or 0)
+                chunk = chunk if chunk > 0 else 4 * settings.fusion_tokens
+                res.verdicts.append(check_aux(server, settings.fusion_tokens, chunk, dumps))
+                info = protocol.read_server_info(server.dump_dir)
+                slots = len(info.layers) + int(info.has_final)
+                res.dump_bytes_per_token = slots * info.hidden_size * torch.tensor(
+                    [], dtype=getattr(torch, info.dtype)).element_size()
+            res.gen[key] = [generate_outputs(server, settings, r) for r in (0, 1)]
+            res.tput[key] = measure_prefill(server, settings)
+            if dump:
+                res.verdicts.append(check_ranks(server))
+            elif "hsdump: capturing" in server.log():
+                res.verdicts.append(Verdict("d", f"tp {tp}", FAIL,
+                                            "the dump-off server installed the capture"))
+        finally:
+            server.stop()
+        if server.memory is not None:
+            res.memory[key] = server.memory.error or dict(server.memory.peaks_mib)
+    return res
+
+
+# ---------------------------------------------------------------------------- checks on runs
+
+
+def check_outputs(res: TpRun) -> Verdict:
+    """Check (c): each server repeats itself, then on == off."""
+    on, off = res.gen["on"], res.gen["off"]
+    if off[0] != off[1]:
+        return Verdict("c", f"tp {res.tp}", FAIL, "the dump-off server does not repeat itself "
+                       "(nondeterministic kernels): on/off cannot be compared")
+    if on[0] != on[1]:
+        return Verdict("c", f"tp {res.tp}", FAIL, "the dump-on server does not repeat itself "
+                       "while the dump-off one does")
+    differ = [k for k in off[0] if on[0][k] != off[0][k]]
+    if differ:
+        return Verdict("c", f"tp {res.tp}", FAIL, f"outputs differ with the dump on: {differ}")
+    n = sum(len(v["output_ids"]) for v in off[0].values())
+    return Verdict("c", f"tp {res.tp}", PASS,
+                   f"each server repeats itself; {len(off[0])} prompts, {n} generated tokens and "
+                   "every input/output/top-5 logprob identical with the dump on and off")
+
+
+def check_overhead(res: TpRun, settings: Settings) -> Verdict:
+    """Check (f): prefill throughput on vs off, writer-rank memory, writer CPU."""
+    on, off = res.tput["on"], res.tput["off"]
+    ratio = on["prefill_tokens_per_s"] / off["prefill_tokens_per_s"]
+    gb = on["tokens"] * res.dump_bytes_per_token / 1e9
+    writer_cpu = on["rank_cpu_s"].get(0, 0.0) - off["rank_cpu_s"].get(0, 0.0)
+    data: dict[str, Any] = {"prefill_ratio": round(ratio, 3), "on": on, "off": off,
+                            "dumped_gb": round(gb, 4),
+                            "writer_extra_cpu_s": round(writer_cpu, 3),
+                            "writer_extra_cpu_s_per_gb": round(writer_cpu / gb, 2) if gb else None}
+    problems = []
+    if ratio < settings.min_prefill_ratio:
+        problems.append(f"prefill with the dump on is {ratio:.0%} of off "
+                        f"(< {settings.min_prefill_ratio:.0%})")
+    mem = "peak device memory n/a (CPU)"
+    if settings.device == "cuda":
+        peaks_on, peaks_off = res.memory.get("on"), res.memory.get("off")
+        if not isinstance(peaks_on, dict) or not isinstance(peaks_off, dict) or not peaks_on:
+            mem = f"peak device memory not measured ({peaks_on or peaks_off})"
+        else:
+            def excess(peaks: dict[int, int]) -> int:  # writer (GPU 0) over the others
+                others = [peaks[i] for i in range(1, res.tp) if i in peaks]
+                return peaks[0] - max(others) if others else peaks[0]
+
+            extra = excess(peaks_on) - excess(peaks_off)
+            data.update(peak_mib_on=peaks_on, peak_mib_off=peaks_off, writer_extra_mib=extra)
+            mem = (f"writer rank peak {peaks_on[0]} MiB vs "
+                   f"{max((peaks_on[i] for i in range(1, res.tp)), default=peaks_off[0])} MiB "
+                   f"on {'the other ranks' if res.tp > 1 else 'the dump-off server'}: "
+                   f"{extra:+d} MiB for the dump")
+            if extra > settings.max_writer_extra_mib:
+                problems.append(f"the writer rank uses {extra} MiB more device memory than the "
+                                f"others (> {settings.max_writer_extra_mib:.0f})")
+    detail = (f"prefill {on['prefill_tokens_per_s']:,.0f} tok/s on vs "
+              f"{off['prefill_tokens_per_s']:,.0f} off ({ratio:.0%}); {mem}; writer rank CPU "
+              f"{writer_cpu:+.2f} s for {gb:.3f} GB dumped")
+    return Verdict("f", f"tp {res.tp}", FAIL if problems else PASS,
+                   "; ".join([*problems, detail]) if problems else detail, data)
+
+
+def check_reference(settings: Settings, model: Path, dumps: dict[str, Dumped]) -> Verdict:
+    """Check (b): every dumped prompt of check (a) against HF transformers in float32."""
+    device = "cuda" if settings.device == "cuda" else "cpu"
+    if device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+    hf = verify_checks.load_hf_model(model, torch.float32, device)
+    n_layers = hf.config.num_hidden_layers
+    info_layers: list[int] | None = None
+    worst: verify_checks.Closeness | None = None
+    failures, checked = [], 0
+    by_slot: dict[str, dict[str, float]] = {}
+    for rid, d in dumps.items():
+        ref = verify_checks.hf_hidden_states(hf, d.ids, chunk=512)
+        if info_layers is None:
+            info_layers = _dump_layers(settings.work)
+        slots = [*info_layers, n_layers][: d.hidden.shape[1]]
+        for s, layer in enumerate(slots):
+            c = verify_checks.closeness(d.hidden[:, s], ref[layer])
+            name = "final state" if layer == n_layers else f"layer {layer}"
+            checked += 1
+            if worst is None or c.max_rel > worst.max_rel:
+                worst = c
+            if name not in by_slot or c.max_rel > by_slot[name]["max_rel"]:
+                by_slot[name] = c.to_json()
+            if not c.within():
+                failures.append(f"{rid} {name}: {c.describe()}")
+    del hf
+    bound = (f"bound: max error <= {verify_checks.BF16_MAX_REL:.0%} of max |ref|, mean <= "
+             f"{verify_checks.BF16_MEAN_REL:.0%} of mean |ref|")
+    if not checked:
+        return Verdict("b", "all", FAIL, "nothing was dumped to compare")
+    assert worst is not None
+    data = {"compared": checked, "worst": worst.to_json(), "worst_by_slot": by_slot,
+            "max_rel_bound":
+            verify_checks.BF16_MAX_REL, "mean_rel_bound": verify_checks.BF16_MEAN_REL}
+    if failures:
+        return Verdict("b", "all", FAIL, f"{len(failures)} of {checked} out of bound ({bound}); "
+                       + "; ".join(failures[:3]), data)
+    return Verdict("b", "all", PASS, f"{len(dumps)} prompts x {checked // len(dumps)} slots; "
+                   f"worst {worst.describe()} ({bound})", data)
+
+
+def _dump_layers(work: Path) -> list[int]:
+    for path in sorted(work.glob("dump-*")):
+        if (path / protocol.SERVER_INFO).exists():
+            return list(protocol.read_server_info(path).layers)
+    return []
+
+
+def check_refusals(settings: Settings, model: Path) -> list[Verdict]:
+    """Check (e): each refused configuration, through the guard on SGLang's resolved config,
+    plus real launches (the patch active in this environment refuses at start-up)."""
+    from sglang.srt.server_args import ServerArgs
+
+    from hsdump_patch.capture import guards
+    from hsdump_patch.ops.verify_server import free_port, plan_launch
+
+    launch = plan_launch(model, 1, free_port(), settings.work / "dump-refused",
+                         device=settings.device, extra=settings.sglang_extra)
+    base = launch.argv[launch.argv.index("sglang.launch_server") + 1:]
+    env_dir = os.environ.pop(ENV_DIR, None)  # resolve in-process without the plugin's hooks
+    rows, verdicts = [], []
+    try:
+        for name, flags, needle in [("production profile (must be accepted)", [], None),
+                                    *REFUSED]:
+            argv = ([a for a in base if a != "--disable-radix-cache"] if flags is None
+                    else [*base, *flags])
+            try:
+                sa = ServerArgs.from_cli_args(serve.sglang_parser().parse_args(argv))
+                sa.resolve_once()
+            except Exception as e:  # SGLang itself rejects the combination
+                problems = [f"SGLang rejected it: {type(e).__name__}: {e}"]
+            else:
+                problems = guards.problems_for_server_args(sa)
+            ok = (not problems) if needle is None else any(needle in p for p in problems)
+            rows.append({"case": name, "flags": flags, "refused": bool(problems), "ok": ok,
+                         "message": problems[:1]})
+    finally:
+        if env_dir is not None:
+            os.environ[ENV_DIR] = env_dir
+    bad = [r["case"] for r in rows if not r["ok"]]
+    verdicts.append(Verdict(
+        "e", "resolved config", FAIL if bad else PASS,
+        f"wrong for: {bad}" if bad else f"the production profile is accepted; all "
+        f"{len(REFUSED)} refused cases are refused, naming the flag", {"cases": rows}))
+    real = REFUSED[:2] if settings.device == "cuda" else REFUSED[:1]
+    for name, flags, needle in real:
+        say(settings, f"launching a server that must refuse: {name}")
+        rc, log = run_refused(model, settings.work, name.split()[0], flags,
+                              device=settings.device, extra=settings.sglang_extra, env={},
+                              timeout=settings.server_timeout)
+        ok = rc not in (None, 0) and "hsdump" in log and needle in log
+        verdicts.append(Verdict(
+            "e", f"launch: {name}", PASS if ok else FAIL,
+            f"exited {rc} naming {needle}" if ok else
+            f"exit {rc}; expected a refusal naming {needle}; log tail: {log[-300:]!r}",
+            {"exit_code": rc}))
+    return verdicts
+
+
+# ---------------------------------------------------------------------------- the run
+
+
+def default_tps() -> list[int]:
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return [n] if n else [1, 2]
+
+
+def run(settings: Settings) -> tuple[list[Verdict], dict[str, Any]]:
+    """Every check; returns the verdicts and facts about the run."""
+    settings.work.mkdir(parents=True, exist_ok=True)
+    model = settings.work / "model"
+    say(settings, f"writing a random DeepSeek-V3-shaped model ({settings.device} shape) to "
+        f"{model}")
+    shutil.rmtree(model, ignore_errors=True)
+    verify_model.make_deepseek_v3(model, "gpu" if settings.device == "cuda" else "cpu")
+    verdicts: list[Verdict] = []
+    dumps: dict[str, Dumped] = {}
+    facts: dict[str, Any] = {"device": settings.device, "tp": settings.tps,
+                             "fusion_threshold_tokens": settings.fusion_tokens}
+    for tp in settings.tps:
+        try:
+            res = run_tp(settings, model, tp, dumps)
+        except Exception as e:  # a server that does not start fails every check of its size
+            verdicts += [Verdict(c, f"tp {tp}", FAIL, f"{type(e).__name__}: {e}"[:2000])
+                         for c in "acdf"]
+            continue
+        verdicts += res.verdicts
+        verdicts += [check_outputs(res), check_overhead(res, settings)]
+    say(settings, "checking the refused configurations")
+    verdicts += _guarded("e", lambda: check_refusals(settings, model))
+    say(settings, f"computing the fp32 reference for {len(dumps)} dumped prompts")
+    verdicts += _guarded("b", lambda: [check_reference(settings, model, dumps)])
+    order = list(CHECKS)
+    verdicts.sort(key=lambda v: order.index(v.check))
+    return verdicts, facts
+
+
+def _guarded(check: str, fn: Callable[[], list[Verdict]]) -> list[Verdict]:
+    try:
+        return fn()
+    except Exception as e:
+        return [Verdict(check, "all", FAIL, f"{type(e).__name__}: {e}"[:2000])]
+
+
+def report_json(verdicts: list[Verdict], facts: dict[str, Any], wall: float) -> dict[str, Any]:
+    return {"passed": all(v.verdict != FAIL for v in verdicts), "wall_s": round(wall, 1),
+            **facts, "checks": [{"name": CHECKS[v.check], **asdict(v)} for v in verdicts]}
+
+
+def print_table(verdicts: list[Verdict]) -> None:
+    rows = [(f"{v.check}. {CHECKS[v.check]} [{v.scope}]", f"{v.verdict}  {v.detail}")
+            for v in verdicts]
+    print(format_table(rows))
+
+
+def main(args: argparse.Namespace) -> int:
+    """Entry point of ``hsdump verify``."""
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() else "cpu"
+    work = Path(args.work or tempfile.mkdtemp(prefix="hsdump-verify-")).resolve()
+    settings = Settings(
+        device=device,
+        tps=[int(x) for x in args.tp.split(",")] if args.tp else default_tps(),
+        work=work,
+        fusion_tokens=GPU_FUSION_TOKENS if device == "cuda" else CPU_FUSION_TOKENS,
+        min_prefill_ratio=args.min_prefill_ratio if args.min_prefill_ratio is not None
+        else (0.9 if device == "cuda" else 0.25),
+        max_writer_extra_mib=args.max_writer_extra_mib,
+        server_timeout=args.server_timeout,
+        progress=not args.no_progress,
+        extra_args=list(args.sglang_args[1:] if args.sglang_args[:1] == ["--"]
+                        else args.sglang_args),
+    )
+    t0 = time.monotonic()
+    verdicts, facts = run(settings)
+    report = report_json(verdicts, facts, time.monotonic() - t0)
+    path = Path(args.report) if args.report else work / "report.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    protocol.write_json_atomic(path, report)
+    print(f"hsdump verify: {device}, tp {','.join(map(str, settings.tps))}, "
+          f"{report['wall_s']:.0f} s")
+    print_table(verdicts)
+    print(f"hsdump verify: {'PASS' if report['passed'] else 'FAIL'}; report: {path}; "
+          f"server logs: {work}")
+    return 0 if report["passed"] else 1
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register ``hsdump verify``."""
+    p = subparsers.add_parser(
+        "verify", help="acceptance run for this host: serve a random model of the production "
+        "architecture and check the dump against SGLang's own capture and an fp32 reference",
+        description="Serve a random model of the production architecture with the hsdump "
+        "serve profile (dump on and off, at each TP size) and check: (a) the dump equals "
+        "SGLang's own EAGLE-3 capture bit for bit, (b) an fp32 reference within a bound, (c) "
+        "outputs are identical with the dump on and off, (d) every rank installed the capture "
+        "and one writes, (e) refused configurations are refused, (f) the dump's overhead. "
+        "Prints a verdict table, writes a JSON report; exit 1 on any FAIL.",
+    )
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                   help="auto: cuda when a GPU is visible, else the CPU variant (default: auto)")
+    p.add_argument("--tp", default=None,
+                   help="comma-separated tensor-parallel sizes, each served dump on and off "
+                        "(default: the number of visible GPUs; 1,2 on CPU)")
+    p.add_argument("--work", default=None,
+                   help="directory for the model, dump dirs and server logs (default: a new "
+                        "temporary directory)")
+    p.add_argument("--report", default=None,
+                   help="JSON report path (default: WORK/report.json)")
+    p.add_argument("--min-prefill-ratio", type=float, default=None,
+                   help="fail (f) when prefill tokens/s with the dump on is below this fraction "
+                        "of off (default: 0.9 on GPU; 0.25 on CPU, where the writer shares two "
+                        "cores with the forward)")
+    p.add_argument("--max-writer-extra-mib", type=float, default=1024,
+                   help="fail (f) when the writer rank's peak device memory exceeds the other "
+                        "ranks' by more than this, beyond the dump-off difference (default: 1024)")
+    p.add_argument("--server-timeout", type=float, default=900,
+                   help="seconds a server may take to become ready (default: 900)")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress lines on stderr (default: progress on)")
+    p.add_argument("sglang_args", nargs=argparse.REMAINDER,
+                   help="after '--': further SGLang arguments for every server, as given to "
+                        "hsdump serve in production (default: none)")
+    p.set_defaults(func=main)

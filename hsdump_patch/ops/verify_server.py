@@ -1,0 +1,229 @@
+"""The servers ``hsdump verify`` runs: built by ``hsdump serve``'s own planner (the production
+profile), started in the background, observed (rank processes, CPU time, GPU memory) and
+stopped with everything they spawned."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import requests
+
+from hsdump_patch.capture.config import ENV_DIR
+from hsdump_patch.ops import serve
+
+# What the CPU variant adds to the production profile: SGLang's CPU engine, a KV pool sized
+# for a small machine (the default takes 15 GB), and idle schedulers that do not busy-poll.
+CPU_SERVER_ARGS = ["--device", "cpu", "--max-total-tokens", "8192", "--sleep-on-idle"]
+# SGLang's own EAGLE-3 capture, the reference of check (a); both the dump-on and the dump-off
+# server run with it, so check (c) compares the dump and nothing else.
+AUX_ARGS = ["--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3"]
+
+
+class ServerFailed(RuntimeError):
+    """A verify server exited or did not become ready."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def plan_launch(model: Path, tp: int, port: int, dump_dir: Path, *, device: str,
+                extra: list[str]) -> serve.Launch:
+    """The server command ``hsdump serve`` would run, parsed by its own parser and planner."""
+    parser = argparse.ArgumentParser(prog="hsdump")
+    serve.add_parser(parser.add_subparsers(dest="command"))
+    profile = "auto" if device == "cuda" else "none"
+    args = parser.parse_args(["serve", "--model", str(model), "--tp", str(tp), "--host",
+                              "127.0.0.1", "--port", str(port), "--dump-dir", str(dump_dir),
+                              "--profile", profile, "--", *extra])
+    from hsdump_patch.ops import blackwell
+
+    capability = blackwell.detect_compute_capability() if device == "cuda" else None
+    return serve.plan(args, capability)
+
+
+@dataclass
+class VerifyServer:
+    """One running server of a verify run."""
+
+    name: str
+    tp: int
+    dump_dir: Path | None
+    log_path: Path
+    proc: subprocess.Popen
+    url: str
+    argv: list[str]
+    started_s: float = 0.0
+    memory: GpuMemorySampler | None = None
+
+    @classmethod
+    def start(cls, name: str, model: Path, tp: int, work: Path, *, dump: bool, device: str,
+              extra: list[str], env: dict[str, str], timeout: float) -> VerifyServer:
+        """Start a server with the dump on or off; wait for ``/ready``; raise ServerFailed."""
+        port = free_port()
+        dump_dir = work / f"dump-{name}"
+        launch = plan_launch(model, tp, port, dump_dir, device=device, extra=extra)
+        full_env = {**launch.env, **env}
+        if not dump:
+            full_env.pop(ENV_DIR, None)
+            dump_dir = None
+        log_path = work / f"server-{name}.log"
+        memory = GpuMemorySampler() if device == "cuda" else None
+        t0 = time.monotonic()
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(launch.argv, stdout=log, stderr=subprocess.STDOUT,
+                                    env=full_env, start_new_session=True)
+        server = cls(name, tp, dump_dir, log_path, proc, f"http://127.0.0.1:{port}",
+                     launch.argv, memory=memory)
+        if memory is not None:
+            memory.start()
+        try:
+            server._wait_ready(timeout)
+        except BaseException:
+            server.stop()
+            raise
+        server.started_s = time.monotonic() - t0
+        return server
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerFailed(f"server {self.name} exited with {self.proc.returncode}; "
+                                   f"log {self.log_path}:\n{self.log()[-4000:]}")
+            with contextlib.suppress(requests.RequestException):
+                if requests.get(f"{self.url}/ready", timeout=5).status_code == 200:
+                    return
+            time.sleep(0.5)
+        raise ServerFailed(f"server {self.name} not ready after {timeout:.0f} s; "
+                           f"log {self.log_path}:\n{self.log()[-4000:]}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def post(self, path: str, body: dict[str, Any], timeout: float = 600) -> Any:
+        r = requests.post(f"{self.url}{path}", json=body, timeout=timeout)
+        if r.status_code != 200:
+            raise RuntimeError(f"{path} answered {r.status_code}: {r.text[:500]}")
+        return r.json()
+
+    def server_info(self) -> dict[str, Any]:
+        r = requests.get(f"{self.url}/get_server_info", timeout=30)
+        r.raise_for_status()
+        return r.json()
+
+    def rank_pids(self) -> dict[int, int]:
+        """``{tp rank: pid}`` of the scheduler processes (SGLang titles them
+        ``sglang::scheduler[_TP<rank>]``)."""
+        import psutil
+
+        ranks: dict[int, int] = {}
+        for child in psutil.Process(self.proc.pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                title = " ".join(child.cmdline())
+                if not title.startswith("sglang::scheduler"):
+                    continue
+                tag = title.rsplit("TP", 1)[-1] if "_TP" in title else "0"
+                ranks[int(tag.split("_")[0])] = child.pid
+        return ranks
+
+    def rank_cpu_seconds(self) -> dict[int, float]:
+        """CPU seconds (user + system, all threads) used so far by each rank's scheduler."""
+        import psutil
+
+        out = {}
+        for rank, pid in self.rank_pids().items():
+            with contextlib.suppress(psutil.Error):
+                t = psutil.Process(pid).cpu_times()
+                out[rank] = t.user + t.system
+        return out
+
+    def stop(self) -> None:
+        """SIGTERM the server's process group, then SIGKILL what is left."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(30)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        if self.memory is not None:
+            self.memory.stop()
+
+
+def run_refused(model: Path, work: Path, name: str, flags: list[str] | None, *, device: str,
+                extra: list[str], env: dict[str, str], timeout: float) -> tuple[int | None, str]:
+    """Launch the server ``hsdump serve`` would, with the dump on, changed by ``flags`` (later
+    flags win; None: without --disable-radix-cache), expecting it to refuse at start-up;
+    return (exit code, or None if it still ran after ``timeout`` s, and the log)."""
+    launch = plan_launch(model, 1, free_port(), work / f"dump-{name}", device=device,
+                         extra=extra)
+    argv = ([a for a in launch.argv if a != "--disable-radix-cache"] if flags is None
+            else [*launch.argv, *flags])
+    log_path = work / f"refused-{name}.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                env={**launch.env, **env}, start_new_session=True)
+    rc: int | None
+    try:
+        rc = proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        rc = None
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    return rc, log_path.read_text(errors="replace")
+
+
+@dataclass
+class GpuMemorySampler:
+    """Peak ``memory.used`` per GPU index, polled from ``nvidia-smi`` in a thread."""
+
+    interval: float = 0.25
+    peaks_mib: dict[int, int] = field(default_factory=dict)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+    error: str | None = None
+
+    def start(self) -> None:
+        if shutil.which("nvidia-smi") is None:
+            self.error = "nvidia-smi not found"
+            return
+        self._thread = threading.Thread(target=self._run, name="hsdump-verify-gpumem",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                out = subprocess.run(
+                    ["nvidia-smi", "--query-gpu=index,memory.used",
+                     "--format=csv,noheader,nounits"],
+                    capture_output=True, text=True, timeout=30, check=True).stdout
+                for line in out.strip().splitlines():
+                    index, used = (int(x) for x in line.split(","))
+                    self.peaks_mib[index] = max(self.peaks_mib.get(index, 0), used)
+            except (subprocess.SubprocessError, ValueError) as e:
+                self.error = f"nvidia-smi: {e}"
+                return
+            self._stop.wait(self.interval)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(60)

@@ -1,0 +1,94 @@
+"""``hsdump verify``, CPU variant: four real servers (TP 1 and 2, dump on and off, one at a
+time) and a refused launch; the report shows every check, each passing. The comparisons it
+rests on are checked to fail on wrong data without a server."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hsdump_patch.ops import verify, verify_checks
+from tests.harness import server as srv
+
+EXPECTED = {("a", "tp 1"), ("a", "tp 2"), ("b", "all"), ("c", "tp 1"), ("c", "tp 2"),
+            ("d", "tp 1"), ("d", "tp 2"), ("e", "resolved config"),
+            ("e", "launch: radix cache on"), ("f", "tp 1"), ("f", "tp 2")}
+
+
+@pytest.fixture(scope="module")
+def verify_run(tmp_path_factory, sglang_available):
+    work = tmp_path_factory.mktemp("verify")
+    # The test-only CPU stand-ins reach verify's servers through its environment.
+    env = srv.cpu_env(tp=2)
+    r = subprocess.run([sys.executable, "-m", "hsdump_patch.cli", "verify", "--work", str(work),
+                        "--no-progress"], env=env, capture_output=True, text=True,
+                       timeout=1800, check=False)
+    return r, json.loads((work / "report.json").read_text())
+
+
+@pytest.mark.server
+def test_cpu_variant_passes_every_check(verify_run):
+    r, report = verify_run
+    checks = {(c["check"], c["scope"]): c for c in report["checks"]}
+    failed = {k: c["detail"] for k, c in checks.items() if c["verdict"] != "PASS"}
+    assert not failed, f"{failed}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    assert set(checks) == EXPECTED
+    assert r.returncode == 0 and report["passed"] and report["tp"] == [1, 2]
+    assert "hsdump verify: PASS" in r.stdout
+    for check, scope in EXPECTED:  # the verdict table shows every row
+        assert f"{check}. {verify.CHECKS[check]} [{scope}]" in r.stdout
+
+
+@pytest.mark.server
+def test_report_shows_what_each_check_covered(verify_run):
+    _, report = verify_run
+    checks = {(c["check"], c["scope"]): c for c in report["checks"]}
+    for tp in (1, 2):
+        cases = checks["a", f"tp {tp}"]["data"]["cases"]
+        assert [c["ok"] for c in cases] == [True] * 5
+        assert max(c["chunks"] for c in cases) >= 3  # the multi-chunk prompt
+        assert max(c["max_requests_per_forward"] for c in cases) >= 2
+        ranks = checks["d", f"tp {tp}"]["data"]
+        assert ranks["writer_lines"] == 1 and ranks["non_writer_lines"] == tp - 1
+        assert ranks["server_json_pid"] == ranks["rank_pids"]["0"]
+        overhead = checks["f", f"tp {tp}"]["data"]
+        assert overhead["on"]["prefill_tokens_per_s"] > 0 and overhead["dumped_gb"] > 0
+    worst = checks["b", "all"]["data"]["worst"]
+    assert worst["max_rel"] <= verify_checks.BF16_MAX_REL
+    refusals = checks["e", "resolved config"]["data"]["cases"]
+    assert len(refusals) == len(verify.REFUSED) + 1 and all(c["ok"] for c in refusals)
+
+
+def test_bitwise_comparison_catches_one_ulp_and_shifted_rows():
+    ref = torch.randn(40, 3 * 64).to(torch.bfloat16)
+    assert verify_checks.bitwise_mismatch(ref.clone(), ref.float()) is None
+    one_ulp = ref.clone()
+    one_ulp.view(torch.int16)[17, 5] += 1  # the next bf16 value
+    assert "1 of 7680 values differ (first at row 17" in verify_checks.bitwise_mismatch(
+        one_ulp, ref)
+    assert verify_checks.bitwise_mismatch(ref[1:], ref[:-1]) is not None
+    assert "shape" in verify_checks.bitwise_mismatch(ref[1:], ref)
+
+
+def test_reference_bound_rejects_a_wrong_layer_and_accepts_bf16_rounding():
+    torch.manual_seed(0)
+    ref = torch.randn(50, 64) * 3
+    assert verify_checks.closeness(ref.bfloat16(), ref).within()
+    assert not verify_checks.closeness(torch.randn(50, 64) * 3, ref).within()
+    assert not verify_checks.closeness(ref.roll(1, dims=0), ref).within()
+
+
+def test_outputs_check_needs_a_repeating_server_then_equal_outputs():
+    gen = {"p": {"output_ids": [1, 2], "output_token_logprobs": [[-0.5, 1], [-0.25, 2]]}}
+    other = {"p": {"output_ids": [1, 2], "output_token_logprobs": [[-0.5, 1], [-0.2500001, 2]]}}
+
+    def verdict(on, off):
+        return verify.check_outputs(verify.TpRun(1, gen={"on": on, "off": off})).verdict
+
+    assert verdict([gen, gen], [gen, gen]) == verify.PASS
+    assert verdict([other, other], [gen, gen]) == verify.FAIL
+    assert verdict([gen, gen], [gen, other]) == verify.FAIL
