@@ -186,3 +186,17 @@ def test_stale_temps_of_this_shard_are_removed(tmp_path, fmt):
     temps = sorted(p.name for p in tmp_path.rglob(".*.tmp-*"))
     assert len(temps) == 1 and temps[0].startswith(".theirs.")
     assert (tmp_path / mine).read_bytes() == b"complete"
+
+
+@pytest.mark.parametrize("fmt", records.FORMATS)
+def test_smoke_flags_records_without_what_the_format_needs(fmt):
+    from hsdump_patch.client.dataset import Sample
+    from hsdump_patch.client.smoke import check_record
+
+    info = server_info()
+    rec, _ = build(fmt, info)
+    sample = Sample("s", "x", list(range(10)), [0] * 5 + [1] * 5)
+    assert check_record(rec, fmt, info, sample) == []
+    del rec[records.NEEDS_FINAL[fmt]]
+    (problem,) = check_record(rec, fmt, info, sample)
+    assert f"no {records.NEEDS_FINAL[fmt]}" in problem and "SGLANG_HS_DUMP_FINAL=1" in problem
