@@ -39,7 +39,7 @@ CASES = ROOT / "tests" / "ansible"
 CPU_VARS = CASES / "cpu-host.yml"
 ONE_HOST = CASES / "inventory-one.yml"
 TWO_HOSTS = CASES / "inventory-two.yml"
-PLAYBOOKS = ("deploy.yml", "teardown.yml", "extract.yml")
+PLAYBOOKS = ("deploy.yml", "teardown.yml", "extract.yml", "verify.yml")
 SHIM_MOUNT = "/opt/hsdump-cpu-shim"  # where cpu-host.yml's PYTHONPATH expects the harness
 RECAP = re.compile(r"^(\S+)\s+:\s+ok=(\d+)\s+changed=(\d+)\s+unreachable=(\d+)\s+failed=(\d+)",
                    re.MULTILINE)

@@ -95,6 +95,7 @@ class Settings:
     device: str
     tps: list[int]
     work: Path
+    dump_root: Path
     fusion_tokens: int
     min_prefill_ratio: float
     max_writer_extra_mib: float
@@ -143,6 +144,7 @@ class Dumped:
     ids: list[int]
     hidden: torch.Tensor  # [L, S, H], slots in server.json order (layers, then final)
     chunk_starts: list[int]
+    layers: list[int]
 
 
 def read_dumped(dump_dir: Path, rid: str, ids: list[int], timeout: float = 300) -> Dumped:
@@ -156,7 +158,7 @@ def read_dumped(dump_dir: Path, rid: str, ids: list[int], timeout: float = 300) 
     read_request(dump_dir, rid, ids, info, builder)
     slots = [*builder.layers, *([builder.final] if builder.final is not None else [])]
     starts = [p for p, _ in protocol.list_chunks(dump_dir, rid)]
-    return Dumped(ids, torch.stack(slots, dim=1), starts)
+    return Dumped(ids, torch.stack(slots, dim=1), starts, list(info.layers))
 
 
 def _generate(server: VerifyServer, prompts: list[list[int]], rids: list[str],
@@ -308,7 +310,7 @@ def run_tp(settings: Settings, model: Path, tp: int, dumps: dict[str, Dumped]) -
     for dump in (True, False):
         name = f"tp{tp}-{'on' if dump else 'off'}"
         say(settings, f"starting the {name} server")
-        server = VerifyServer.start(name, model, tp, settings.work, dump=dump,
+        server = VerifyServer.start(name, model, tp, settings.work, settings.dump_root, dump=dump,
                                     device=settings.device, extra=settings.sglang_extra,
                                     env={}, timeout=settings.server_timeout)
         try:
@@ -331,6 +333,8 @@ def run_tp(settings: Settings, model: Path, tp: int, dumps: dict[str, Dumped]) -
                                             "the dump-off server installed the capture"))
         finally:
             server.stop()
+            if server.dump_dir is not None:  # everything in it was read
+                shutil.rmtree(server.dump_dir, ignore_errors=True)
         if server.memory is not None:
             res.memory[key] = server.memory.error or dict(server.memory.peaks_mib)
     return res
@@ -404,15 +408,12 @@ def check_reference(settings: Settings, model: Path, dumps: dict[str, Dumped]) -
         torch.backends.cuda.matmul.allow_tf32 = False
     hf = verify_checks.load_hf_model(model, torch.float32, device)
     n_layers = hf.config.num_hidden_layers
-    info_layers: list[int] | None = None
     worst: verify_checks.Closeness | None = None
     failures, checked = [], 0
     by_slot: dict[str, dict[str, float]] = {}
     for rid, d in dumps.items():
         ref = verify_checks.hf_hidden_states(hf, d.ids, chunk=512)
-        if info_layers is None:
-            info_layers = _dump_layers(settings.work)
-        slots = [*info_layers, n_layers][: d.hidden.shape[1]]
+        slots = [*d.layers, n_layers][: d.hidden.shape[1]]
         for s, layer in enumerate(slots):
             c = verify_checks.closeness(d.hidden[:, s], ref[layer])
             name = "final state" if layer == n_layers else f"layer {layer}"
@@ -437,13 +438,6 @@ def check_reference(settings: Settings, model: Path, dumps: dict[str, Dumped]) -
                        + "; ".join(failures[:3]), data)
     return Verdict("b", "all", PASS, f"{len(dumps)} prompts x {checked // len(dumps)} slots; "
                    f"worst {worst.describe()} ({bound})", data)
-
-
-def _dump_layers(work: Path) -> list[int]:
-    for path in sorted(work.glob("dump-*")):
-        if (path / protocol.SERVER_INFO).exists():
-            return list(protocol.read_server_info(path).layers)
-    return []
 
 
 def check_refusals(settings: Settings, model: Path) -> list[Verdict]:
@@ -559,10 +553,15 @@ def main(args: argparse.Namespace) -> int:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() else "cpu"
     work = Path(args.work or tempfile.mkdtemp(prefix="hsdump-verify-")).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    shm = Path("/dev/shm")
+    dump_root = Path(tempfile.mkdtemp(
+        prefix="hsdump-verify-", dir=args.dump_root or (shm if os.access(shm, os.W_OK) else work)))
     settings = Settings(
         device=device,
         tps=[int(x) for x in args.tp.split(",")] if args.tp else default_tps(),
         work=work,
+        dump_root=dump_root,
         fusion_tokens=GPU_FUSION_TOKENS if device == "cuda" else CPU_FUSION_TOKENS,
         min_prefill_ratio=args.min_prefill_ratio if args.min_prefill_ratio is not None
         else (0.9 if device == "cuda" else 0.25),
@@ -573,7 +572,10 @@ def main(args: argparse.Namespace) -> int:
                         else args.sglang_args),
     )
     t0 = time.monotonic()
-    verdicts, facts = run(settings)
+    try:
+        verdicts, facts = run(settings)
+    finally:
+        shutil.rmtree(dump_root, ignore_errors=True)
     report = report_json(verdicts, facts, time.monotonic() - t0)
     path = Path(args.report) if args.report else work / "report.json"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -606,6 +608,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--work", default=None,
                    help="directory for the model, dump dirs and server logs (default: a new "
                         "temporary directory)")
+    p.add_argument("--dump-root", default=None,
+                   help="where the servers' dump dirs are made, removed after the run (default: "
+                        "/dev/shm, as in production; WORK without it)")
     p.add_argument("--report", default=None,
                    help="JSON report path (default: WORK/report.json)")
     p.add_argument("--min-prefill-ratio", type=float, default=None,

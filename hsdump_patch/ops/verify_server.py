@@ -70,11 +70,13 @@ class VerifyServer:
     memory: GpuMemorySampler | None = None
 
     @classmethod
-    def start(cls, name: str, model: Path, tp: int, work: Path, *, dump: bool, device: str,
-              extra: list[str], env: dict[str, str], timeout: float) -> VerifyServer:
-        """Start a server with the dump on or off; wait for ``/ready``; raise ServerFailed."""
+    def start(cls, name: str, model: Path, tp: int, work: Path, dump_root: Path, *, dump: bool,
+              device: str, extra: list[str], env: dict[str, str],
+              timeout: float) -> VerifyServer:
+        """Start a server with the dump on (into ``dump_root``) or off; wait for ``/ready``;
+        raise ServerFailed."""
         port = free_port()
-        dump_dir = work / f"dump-{name}"
+        dump_dir = dump_root / f"dump-{name}"
         launch = plan_launch(model, tp, port, dump_dir, device=device, extra=extra)
         full_env = {**launch.env, **env}
         if not dump:
