@@ -61,10 +61,10 @@ def bitwise_mismatch(actual: torch.Tensor, expected: torch.Tensor) -> str | None
 
 
 def load_hf_model(model: Path, dtype: torch.dtype, device: str) -> Any:
-    """HF transformers' own implementation of ``model`` (eager attention), in eval mode."""
+    """HF transformers' own implementation of ``model``, in eval mode."""
     from transformers import AutoModelForCausalLM
 
-    m = AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype, attn_implementation="eager")
+    m = AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype)
     return m.to(device).eval()
 
 
