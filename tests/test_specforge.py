@@ -17,7 +17,7 @@ import torch
 
 from hsdump_patch import protocol
 from hsdump_patch.client import records
-from hsdump_patch.reader import iter_records
+from hsdump_patch.reader import iter_records, manifest_entries
 from tests.harness.reference import hf_hidden_states
 from tests.specforge_ref import specforge_offline as sf
 from tests.test_client_dataset import write_jsonl
@@ -44,8 +44,7 @@ def test_specforge_loads_our_records_and_its_batch_equals_hf(tmp_path, request, 
     suffix = ".ckpt.gz" if compress else ".ckpt"
     files = sf.list_feature_files(str(out))
     assert sf.list_local_files(str(out)) == sorted(str(out / e) for e in files) == files
-    by_id = {e["id"]: str(out / e["file"]) for e in
-             (json.loads(x) for x in (out / "manifest.shard-0-of-1.jsonl").read_text().split())}
+    by_id = {e["id"]: str(out / e["file"]) for e in manifest_entries(out)}
     assert sorted(by_id.values()) == files and all(f.endswith(suffix) for f in files)
     assert all(len(p.name) < 100 for p in out.rglob("*" + suffix))
 
