@@ -61,6 +61,8 @@ def dump_prompt(s: DumpServer, rid: str, ids: list[int]) -> dict:
 def test_auto_layers_resolve_like_sglang_eagle3(served):
     name, s = served
     assert server_layers(s.dump_dir) == EXPECTED_LAYERS[name]
+    # The writer's [T, S, H] buffer is reserved once, for the largest forward (the chunk).
+    assert f"capture buffer of {CHUNK} tokens x 4 states x 64" in s.server.log()
     info = protocol.read_server_info(s.dump_dir)
     assert info.has_final and info.hidden_size == 64 and info.dtype == "bfloat16"
     assert info.sglang_version == "0.5.23" and info.rid_prefix == "hsdump-"

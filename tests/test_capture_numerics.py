@@ -118,6 +118,11 @@ def test_tp2_writes_once_from_the_writer_rank(float32_runs):
     log = float32_runs["tp2_log"]
     assert log.count("; writer rank") == 1
     assert log.count("; non-writer rank") == 1
+    # Both ranks left their install marker, which each checked before its first dump.
+    for rank in (0, 1):
+        marker = json.loads((float32_runs["tp2_dir"] / f".hsdump-installed-dp0-tp{rank}.json")
+                            .read_text())
+        assert marker["writer"] == (rank == 0)
     # Exactly one file per chunk and nothing else (no temp files, no duplicates per rank).
     for rid in DUMP_PROMPTS:
         rdir = float32_runs["tp2_dir"] / rid

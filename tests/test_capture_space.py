@@ -62,10 +62,15 @@ def test_full_dump_dir_gives_error_markers_and_the_server_keeps_serving(small_fs
         assert free_bytes(s.dump_dir) >= RESERVE - 2 * 4096 * outcomes.count("error")
     assert outcomes[0] == "done" and outcomes[-1] == "error"
     assert outcomes == sorted(outcomes)  # every request succeeds until space runs out
-    # The server is alive and well, and dumps again once the space is freed.
+    # The server is alive and well, and dumps again once the space is freed: a new rid, and
+    # a failed rid re-sent (as a resumed client run does, after removing its directory).
     assert requests.get(f"{s.url}/health_generate", timeout=60).status_code == 200
     for entry in os.scandir(s.dump_dir):
         if entry.is_dir():
             shutil.rmtree(entry.path)
     s.server.generate(ids, rid="hsdump-space-again")
     assert wait_finished(s.dump_dir, "hsdump-space-again").done is not None
+    failed = f"hsdump-space-{outcomes.index('error')}"
+    s.server.generate(ids, rid=failed)
+    status = wait_finished(s.dump_dir, failed, timeout=30)
+    assert status.error is None and status.done["prompt_len"] == len(ids)

@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
+import requests
+import torch
 
 from hsdump_patch.capture import guards
 from hsdump_patch.capture.config import (
@@ -15,14 +17,21 @@ from hsdump_patch.capture.config import (
     parse_layers,
     parse_size,
 )
+from hsdump_patch.capture.session import runner_device
 from tests.harness import server as srv
 
 NO_EXTRACTION_FLAGS: list[str] = []
+NO_PREFILL_GRAPHS = ["--cuda-graph-backend-prefill", "disabled"]
 
 # (id, extra server args, extraction args, env, expected message fragment)
 STARTUP_ERRORS = [
-    ("prefill-graphs-on", [], ["--disable-radix-cache"], {}, "Pass --disable-cuda-graph"),
-    ("radix-cache-on", [], ["--disable-cuda-graph"], {}, "Pass --disable-radix-cache"),
+    # SGLang gives the per-phase flag precedence over the deprecated --disable-cuda-graph: the
+    # guard decides on what resolution made of them (prefill graphs on).
+    ("prefill-graphs-despite-disable-cuda-graph",
+     ["--disable-cuda-graph", "--cuda-graph-backend-prefill", "breakable"],
+     ["--disable-radix-cache"], {}, "prefill CUDA graphs are on (--cuda-graph-backend-prefill "
+     "breakable)"),
+    ("radix-cache-on", [], NO_PREFILL_GRAPHS, {}, "Pass --disable-radix-cache"),
     ("two-batch-overlap", ["--enable-two-batch-overlap"], srv.EXTRACTION_ARGS, {},
      "Remove --enable-two-batch-overlap"),
     ("pipeline-parallel", ["--pp-size", "2"], srv.EXTRACTION_ARGS, {}, "Use --pp-size 1"),
@@ -69,6 +78,28 @@ def test_bad_configuration_stops_the_server_with_a_clear_message(
 
 
 @pytest.mark.server
+def test_a_rank_without_the_capture_refuses_to_serve_dumps(tiny_models, tmp_path):
+    """SGLang only logs a plugin that fails to load or apply in one scheduler, which would
+    leave that rank silently without capture. Here TP rank 1 loads no plugin (the test-only
+    fault injection in tests/harness/cpu_shim): the first dumped request stops the server
+    with a message naming the rank."""
+    env = {"SGLANG_HS_DUMP_DIR": str(tmp_path / "dump"), "HSDUMP_TEST_NO_PLUGINS_ON_TP_RANK": "1"}
+    s = srv.start(tiny_models / "tiny-llama", tmp_path / "server.log", env=env, tp=2)
+    try:
+        assert s.generate([1, 5, 6, 7], rid="not-dumped", max_new_tokens=2)["output_ids"]
+        with pytest.raises(requests.RequestException):
+            s.generate([1, 5, 6, 7], rid="hsdump-x")
+        rc = s.proc.wait(120)
+    finally:
+        s.stop()
+    log = s.log()
+    assert rc != 0
+    assert "Skipping plugin hsdump" in log
+    assert "the capture is not installed on TP rank 1 of this server" in log
+    assert "Refusing to serve dumps" in log
+
+
+@pytest.mark.server
 def test_dump_off_installs_nothing(tiny_models, tmp_path):
     """Without SGLANG_HS_DUMP_DIR the plugin registers no hook, so even a configuration the
     patch would refuse serves normally."""
@@ -81,16 +112,90 @@ def test_dump_off_installs_nothing(tiny_models, tmp_path):
     assert "hsdump" not in log.replace("hsdump-x", "")
 
 
-def test_unsupported_flags_are_all_reported_together():
-    class Args:
-        disable_cuda_graph = False
-        disable_radix_cache = False
-        pp_size = 2
+def _resolved(model: Path, **kwargs) -> object:
+    """A real ServerArgs, resolved by SGLang in this process (no server)."""
+    from sglang.srt.server_args import ServerArgs
 
-    problems = guards.find_problems(Args())
-    assert len(problems) == 3
-    with pytest.raises(guards.UnsupportedServerConfig, match="--pp-size 1"):
-        guards.check(Args())
+    args = ServerArgs(model_path=str(model), device="cpu", **kwargs)
+    args.resolve_once()
+    return args
+
+
+EXTRACTION = {"disable_radix_cache": True}
+# (id, ServerArgs fields, expected message fragment): decided on the resolved state.
+RESOLVED_REFUSALS = [
+    ("backend-flag-beats-disable-cuda-graph",
+     {"disable_cuda_graph": True, "cuda_graph_backend_prefill": "breakable"},
+     "--disable-cuda-graph does not turn them off"),
+    ("graph-config-beats-disable-cuda-graph",
+     {"disable_cuda_graph": True, "cuda_graph_config": {"prefill": {"backend": "full"}}},
+     "Remove the prefill backend from --cuda-graph-config"),
+    ("dwdp-turns-on-attention-dp", {"tp_size": 2, "dwdp_size": 2},
+     "DP attention is on (--dwdp-size 2 turns it on)"),
+    ("pdmux", {"enable_pdmux": True}, "Remove --enable-pdmux"),
+    ("multi-node-dp", {"nnodes": 2, "dp_size": 2, "tp_size": 2}, "--dp-size 2 across --nnodes 2"),
+]
+
+
+@pytest.mark.parametrize(("fields", "message"), [c[1:] for c in RESOLVED_REFUSALS],
+                         ids=[c[0] for c in RESOLVED_REFUSALS])
+def test_guards_decide_on_the_resolved_server_args(tiny_models, fields, message):
+    problems = guards.problems_for_server_args(
+        _resolved(tiny_models / "tiny-llama", **EXTRACTION, **fields))
+    assert len(problems) == 1 and message in problems[0], problems
+
+
+def test_both_graph_spellings_are_accepted_and_problems_are_reported_together(tiny_models):
+    model = tiny_models / "tiny-llama"
+    assert guards.problems_for_server_args(_resolved(model, disable_cuda_graph=True,
+                                                     **EXTRACTION)) == []
+    assert guards.problems_for_server_args(_resolved(
+        model, cuda_graph_backend_prefill="disabled", cuda_graph_backend_decode="disabled",
+        **EXTRACTION)) == []
+    problems = guards.problems_for_server_args(_resolved(
+        model, cuda_graph_backend_prefill="breakable", enable_pdmux=True))
+    assert len(problems) == 3  # graphs, radix cache, pdmux
+    with pytest.raises(guards.UnsupportedServerConfig, match="--disable-radix-cache"):
+        guards.raise_if(problems)
+
+
+def test_cli_check_applies_sglang_graph_precedence():
+    """hsdump serve's early check: SGLang's own parser and graph-config precedence."""
+    from hsdump_patch.ops import serve
+
+    def problems(*flags: str) -> list[str]:
+        return guards.problems_for_cli_args(serve.sglang_parser().parse_args(
+            ["--model-path", "/m", "--disable-radix-cache", *flags]))
+
+    assert problems("--disable-cuda-graph") == []
+    assert problems(*serve.REQUIRED_ARGS) == []
+    [graph] = problems("--disable-cuda-graph", "--cuda-graph-config",
+                       '{"prefill": {"backend": "breakable"}}')
+    assert "--cuda-graph-config sets the prefill backend 'breakable'" in graph
+
+
+def test_scheduler_check_reads_the_runner_prefill_graph_runner(tiny_models):
+    """The authoritative check at install time also looks at the graph runner the model
+    runner built: anything but SGLang's EagerRunner replays prefill from graphs."""
+    from types import SimpleNamespace
+
+    from sglang.srt.model_executor.runner.eager_runner import EagerRunner
+
+    args = _resolved(tiny_models / "tiny-llama", disable_cuda_graph=True, **EXTRACTION)
+    replaying = SimpleNamespace(server_args=args, prefill_cuda_graph_runner=SimpleNamespace())
+    [problem] = guards.problems_for_runner(replaying)
+    assert "replays prefill from a SimpleNamespace" in problem
+    assert "--cuda-graph-backend-prefill disabled" in problem
+    eager = SimpleNamespace(server_args=args,
+                            prefill_cuda_graph_runner=EagerRunner.__new__(EagerRunner))
+    assert guards.problems_for_runner(eager) == []
+
+
+def test_writer_device_is_the_runner_gpu():
+    """The capture binds the writer (and its threads) to the runner's GPU, not GPU 0."""
+    assert runner_device("cuda", 3) == torch.device("cuda", 3)
+    assert runner_device(torch.device("cuda", 1), 3) == torch.device("cuda", 1)
+    assert runner_device("cpu", 0) == torch.device("cpu")
 
 
 def test_parse_helpers():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 import threading
 import time
@@ -19,6 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from hsdump_patch import protocol
+from hsdump_patch.capture import writer as writer_module
 from hsdump_patch.capture.writer import DumpWriter
 
 SLOTS, HIDDEN = 4, 64
@@ -273,3 +275,83 @@ def test_fail_request_and_submit_after_close(dump_dir: Path) -> None:
     w.submit(_meta("hsdump-late", 0), _tensors(batch, 0, 16), prompt_len=16)
     assert "shut down" in _error(dump_dir, "hsdump-late")["reason"]
     assert w.stats.requests_failed == 2
+
+
+def test_resent_rid_after_a_failure_gets_a_fresh_done_marker(dump_dir: Path) -> None:
+    """A failed rid keeps its state (late chunks are dropped), until a new attempt begins:
+    the client removes the old directory and re-sends the same rid."""
+    w = _writer(dump_dir)
+    batch = _batch(64, seed=9)
+    d = protocol.rid_dir(dump_dir, "hsdump-retry")
+    protocol.make_private_dir(d / protocol.chunk_filename(0))  # chunk 0 cannot be renamed
+    w.submit(_meta("hsdump-retry", 0), _tensors(batch, 0, 32), prompt_len=None)
+    w.submit(_meta("hsdump-retry", 32), _tensors(batch, 32, 64), prompt_len=64)
+    assert w.flush(timeout=30)
+    assert "writing chunk 0 failed" in _error(dump_dir, "hsdump-retry")["reason"]
+
+    shutil.rmtree(d)  # what the client does before re-sending
+    w.begin_request("hsdump-retry")
+    w.submit(_meta("hsdump-retry", 0), _tensors(batch, 0, 40), prompt_len=None)
+    w.submit(_meta("hsdump-retry", 40), _tensors(batch, 40, 64), prompt_len=64)
+    assert w.flush(timeout=30)
+    w.close()
+    status = protocol.request_status(dump_dir, "hsdump-retry")
+    assert status.error is None
+    assert status.done == {"rid": "hsdump-retry", "prompt_len": 64, "tokens": 64,
+                           "chunks": [0, 40]}
+
+
+def test_aborted_attempt_leaves_no_stale_counts(dump_dir: Path) -> None:
+    w = _writer(dump_dir)
+    batch = _batch(64, seed=10)
+    w.submit(_meta("hsdump-abort", 0), _tensors(batch, 0, 20), prompt_len=None)  # then aborted
+    assert w.flush(timeout=30)
+    w.begin_request("hsdump-abort")
+    w.submit(_meta("hsdump-abort", 0), _tensors(batch, 0, 30), prompt_len=None)
+    w.submit(_meta("hsdump-abort", 30), _tensors(batch, 30, 64), prompt_len=64)
+    assert w.flush(timeout=30)
+    w.close()
+    done = protocol.request_status(dump_dir, "hsdump-abort").done
+    assert done == {"rid": "hsdump-abort", "prompt_len": 64, "tokens": 64, "chunks": [0, 30]}
+    for prefix_len, path in protocol.list_chunks(dump_dir, "hsdump-abort"):
+        n = {0: 30, 30: 34}[prefix_len]  # the new attempt's chunk 0 replaced the old one
+        assert torch.equal(load_file(path)[protocol.HIDDEN_KEY],
+                           batch[0][prefix_len : prefix_len + n])
+
+
+def test_copy_waits_use_blocking_events(monkeypatch) -> None:
+    """A default torch.cuda.Event spins a core in synchronize(); the writer's does not.
+
+    The real torch.cuda.Event is wrapped (the flags are not readable back from an event), and
+    creating one needs no GPU."""
+    made: list[dict] = []
+    real = torch.cuda.Event
+
+    def recording(**flags):
+        made.append(flags)
+        return real(**flags)
+
+    monkeypatch.setattr(torch.cuda, "Event", recording)
+    event = writer_module.copy_done_event()
+    assert isinstance(event, real) and made == [{"blocking": True}]
+    assert writer_module.copy_done_event(blocking=False) is not None  # bench_writer's 'spin'
+    assert made[-1] == {"blocking": False}
+
+
+def test_writer_threads_bind_to_the_writers_device(dump_dir: Path) -> None:
+    """Which device the writer's threads set before their first CUDA call."""
+    asked: list[str] = []
+
+    def current() -> int:
+        asked.append("current")
+        return 5
+
+    assert writer_module.bound_device_index(torch.device("cuda", 3), current) == 3
+    assert asked == []  # an explicit index wins over the calling thread's device
+    assert writer_module.bound_device_index(torch.device("cuda"), current) == 5
+    assert writer_module.bound_device_index(CPU, current) is None
+    assert asked == ["current"]
+    w = _writer(dump_dir)
+    assert w.device_index is None  # a CPU writer binds nothing
+    assert len(w.thread_ids) == 4
+    w.close()

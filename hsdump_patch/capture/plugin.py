@@ -3,10 +3,12 @@
 ``register()`` runs in every SGLang process. With ``SGLANG_HS_DUMP_DIR`` unset it does nothing
 at all. Otherwise it registers three hooks with SGLang's ``HookRegistry``:
 
-* before ``ServerArgs.resolve_once`` (the launcher, before anything is spawned): validate the
-  environment and refuse unsupported server flags, so a bad configuration fails in seconds;
+* after ``ServerArgs.resolve_once`` (the launcher, before anything is spawned): validate the
+  environment and refuse unsupported resolved settings, so a bad configuration fails in
+  seconds;
 * after ``ModelRunner.init_cuda_graphs`` (each scheduler, after graph capture, every TP rank):
-  install the capture on the target model runner (never on a draft runner);
+  check again on what the scheduler actually runs (authoritative), then install the capture on
+  the target model runner (never on a draft runner);
 * after ``ForwardBatch.init_new``: note the prompt length of each dumped request, so the
   writer knows which chunk completes it (CPU-side, no device sync).
 
@@ -41,34 +43,32 @@ def register() -> None:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    HookRegistry.register(HOOK_TARGETS[0], _validate_before_launch, HookType.BEFORE)
+    HookRegistry.register(HOOK_TARGETS[0], _validate_after_resolution, HookType.AFTER)
     HookRegistry.register(HOOK_TARGETS[1], _install_after_graphs, HookType.AFTER)
     HookRegistry.register(HOOK_TARGETS[2], _note_prompt_lengths, HookType.AFTER)
     _registered = True
 
 
-def _validate(server_args: Any) -> Any:
+def _validate_after_resolution(result: Any, server_args: Any, *args: Any, **kwargs: Any) -> None:
+    if str(getattr(server_args, "model_path", "")).lower() in _PLACEHOLDER_MODELS:
+        return  # SGLang builds placeholder ServerArgs internally; not a server launch
     from hsdump_patch.capture import guards
     from hsdump_patch.capture.config import DumpConfig
 
-    config = DumpConfig.from_env()
-    guards.check(server_args)
-    return config
-
-
-def _validate_before_launch(server_args: Any, *args: Any, **kwargs: Any) -> None:
-    if str(getattr(server_args, "model_path", "")).lower() in _PLACEHOLDER_MODELS:
-        return  # SGLang builds placeholder ServerArgs internally; not a server launch
-    _validate(server_args)
+    DumpConfig.from_env()
+    guards.raise_if(guards.problems_for_server_args(server_args))
 
 
 def _install_after_graphs(result: Any, runner: Any, *args: Any, **kwargs: Any) -> None:
     global _session
     if getattr(runner, "is_draft_worker", False):
         return
+    from hsdump_patch.capture import guards
+    from hsdump_patch.capture.config import DumpConfig
     from hsdump_patch.capture.session import CaptureSession
 
-    config = _validate(runner.server_args)
+    config = DumpConfig.from_env()
+    guards.raise_if(guards.problems_for_runner(runner))
     _session = CaptureSession(config, runner)
 
 

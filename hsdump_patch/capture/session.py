@@ -3,14 +3,25 @@ bookkeeping, and hand-off of each request's rows to the writer.
 
 Installed identically on every tensor-parallel rank (so the collective sequence is the same
 everywhere); only the writer rank (attention-TP rank 0) copies rows and writes files.
+
+Device memory: the writer rank packs each dumped forward's rows into one ``[T, S, H]`` buffer
+that is reserved at install time (``reserve_rows`` rows: the most tokens one forward can
+prefill) and reused, so the extra memory is fixed, visible at start-up and never doubled by
+the CPU running ahead; a forward larger than the reservation grows it once (logged).
+
+Every rank writes a marker at install; the first dumped forward on each rank checks that all
+ranks of its node have one, and refuses to serve otherwise (SGLang only logs a plugin hook
+that fails to apply, which would leave that rank silently without capture).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
 from collections import OrderedDict
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -47,28 +58,30 @@ class _Collector:
             self.inner.capture(tensor, owned=owned)
 
 
+class CaptureNotInstalled(RuntimeError):
+    """A rank of this server runs without the capture: the server must not serve dumps."""
+
+
 class _ForwardState:
     """What one dumped forward has captured so far (rows packed as ``[T, S, H]``)."""
 
-    def __init__(self, forward_batch: Any, rows: int, slots: int, is_writer: bool) -> None:
+    def __init__(self, session: CaptureSession, forward_batch: Any, rows: int) -> None:
+        self.session = session
         self.forward_batch = forward_batch
         self.rows = rows
-        self.slots = slots
-        self.is_writer = is_writer
         self.buf: torch.Tensor | None = None
         self.captured: set[int] = set()
         self.error: str | None = None
 
     def store(self, slot: int, tensor: torch.Tensor) -> None:
         # Runs inside SGLang's layer code: it must never raise.
-        if not self.is_writer or self.error is not None:
+        if not self.session.is_writer or self.error is not None:
             return
         try:
             if tensor.shape[0] < self.rows:
                 raise ValueError(f"captured {tensor.shape[0]} rows, the batch has {self.rows}")
             if self.buf is None:
-                self.buf = torch.empty((self.rows, self.slots, tensor.shape[-1]),
-                                       dtype=tensor.dtype, device=tensor.device)
+                self.buf = self.session.packed_buffer(self.rows)
             self.buf[:, slot].copy_(tensor[: self.rows])
             self.captured.add(slot)
         except Exception as e:
@@ -92,6 +105,23 @@ def _is_writer_rank() -> bool:
         return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
 
+def runner_device(device: Any, gpu_id: int | None) -> torch.device:
+    """The model runner's device with its index (``runner.device`` is a bare "cuda")."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None and gpu_id is not None:
+        return torch.device("cuda", gpu_id)
+    return device
+
+
+def reserve_rows(server_args: Any) -> int:
+    """The most tokens one prefill forward holds: the chunk size, else the prefill budget."""
+    from sglang.srt.arg_groups.overrides import resolved_view
+
+    view = resolved_view(server_args)
+    chunk = int(view.chunked_prefill_size or -1)
+    return chunk if chunk > 0 else int(view.max_prefill_tokens)
+
+
 def _model_dtype(runner: Any, stack: DecoderStack) -> torch.dtype:
     dtype = getattr(getattr(runner, "model_config", None), "dtype", None)
     if isinstance(dtype, torch.dtype):
@@ -111,6 +141,8 @@ class CaptureSession:
         self.layers, self.layers_source = self._resolve_layers()
         self.slots = len(self.layers) + int(config.dump_final)
         self.is_writer = _is_writer_rank()
+        self.device = runner_device(runner.device, getattr(runner, "gpu_id", None))
+        self.dtype = _model_dtype(runner, self.stack)
         self.state: _ForwardState | None = None
         self.prompt_lens: OrderedDict[str, int] = OrderedDict()  # fed by ForwardBatch.init_new
         self.in_progress: OrderedDict[str, None] = OrderedDict()
@@ -123,17 +155,19 @@ class CaptureSession:
 
         self.sglang_version = sglang.__version__
         self.writer: DumpWriter | None = None
+        self._buf: torch.Tensor | None = None
+        protocol.make_private_dir(config.dump_dir)
+        self.rank_marker, self.peer_markers = _rank_markers(config.dump_dir, server_args)
+        self.peers_checked = False
         if self.is_writer:
-            protocol.make_private_dir(config.dump_dir)
             self.writer = DumpWriter(
                 config.dump_dir,
                 max_inflight_bytes=config.max_inflight_bytes,
                 min_free_bytes=config.min_free_bytes,
                 threads=config.writer_threads,
-                device=torch.device(runner.device if isinstance(runner.device, str)
-                                    else str(runner.device)),
+                device=self.device,
             )
-            dtype = _model_dtype(runner, self.stack)
+            self.packed_buffer(reserve_rows(server_args))
             info = protocol.ServerInfo(
                 model=self.model_name,
                 architecture=self.stack.architecture,
@@ -142,7 +176,7 @@ class CaptureSession:
                 has_final=config.dump_final,
                 hidden_size=self.stack.hidden_size,
                 num_hidden_layers=self.stack.num_layers,
-                dtype=str(dtype).removeprefix("torch."),
+                dtype=str(self.dtype).removeprefix("torch."),
                 tp_size=self.tp_size,
                 rid_prefix=config.rid_prefix,
                 sglang_version=self.sglang_version,
@@ -151,6 +185,8 @@ class CaptureSession:
             )
             protocol.write_json_atomic(config.dump_dir / protocol.SERVER_INFO, info.to_json())
         self._install()
+        protocol.write_json_atomic(self.rank_marker, {"launcher": os.getppid(), "pid": os.getpid(),
+                                                      "writer": self.is_writer})
         logger.info(
             "hsdump: capturing the residual stream at the input of layers %s (%s) of %s "
             "(%d layers)%s; rids starting with %r; dump dir %s; %s rank",
@@ -179,6 +215,44 @@ class CaptureSession:
                 "SGLANG_HS_DUMP_FINAL=1."
             )
         return layers, source
+
+    def packed_buffer(self, rows: int) -> torch.Tensor:
+        """The writer's ``[rows, S, H]`` buffer for one forward, free for writing on the current
+        stream: reused across forwards, grown (once per new maximum) only for a larger one."""
+        assert self.writer is not None
+        if self._buf is None or self._buf.shape[0] < rows:
+            if self._buf is not None:
+                logger.warning(
+                    "hsdump: a forward of %d tokens exceeds the reserved %d; growing the capture "
+                    "buffer (lower --mem-fraction-static if memory is tight)",
+                    rows, self._buf.shape[0])
+            self._buf = None  # its pending copies keep its memory (record_stream)
+            self._buf = torch.empty((rows, self.slots, self.stack.hidden_size), dtype=self.dtype,
+                                    device=self.device)
+            logger.info("hsdump: capture buffer of %d tokens x %d states x %d (%.0f MiB) on %s",
+                        rows, self.slots, self.stack.hidden_size,
+                        self._buf.nbytes / (1 << 20), self.device)
+        # The previous forward's rows may still be on their way to the host.
+        self.writer.wait_for_copies()
+        return self._buf[:rows]
+
+    def check_peers(self) -> None:
+        """Raise :class:`CaptureNotInstalled` unless every rank of this node installed."""
+        launcher = os.getppid()
+        for rank, path in self.peer_markers:
+            try:
+                ok = json.loads(path.read_text()).get("launcher") == launcher
+            except (OSError, ValueError):
+                ok = False
+            if not ok:
+                raise CaptureNotInstalled(
+                    f"hsdump: the capture is not installed on TP rank {rank} of this server (no "
+                    f"{path} from this launch): SGLang only logs a plugin hook that fails to "
+                    "apply. Look in that rank's log for 'Failed to apply hooks' or 'Skipping "
+                    "plugin hsdump', and check that hsdump is installed in its environment and "
+                    "not excluded by SGLANG_PLUGINS. Refusing to serve dumps."
+                )
+        self.peers_checked = True
 
     def _install(self) -> None:
         for slot, index in enumerate(self.layers):
@@ -224,11 +298,14 @@ class CaptureSession:
         self.state = None
         try:
             fb = _forward_batch_of(args, kwargs)
-            if self._dumpable(fb):
-                self.state = _ForwardState(fb, int(sum(fb.extend_seq_lens_cpu)), self.slots,
-                                           self.is_writer)
+            if not self._dumpable(fb):
+                return
         except Exception:
             self._count_error("deciding whether to dump a forward")
+            return
+        if not self.peers_checked:
+            self.check_peers()  # raises into the scheduler: refuse to serve
+        self.state = _ForwardState(self, fb, int(sum(fb.extend_seq_lens_cpu)))
 
     def _after_forward(self, module: Any, args: tuple, kwargs: dict, output: Any) -> None:
         state, self.state = self.state, None
@@ -274,7 +351,10 @@ class CaptureSession:
         """Return (prompt length if this chunk ends the prompt else None, is first chunk)."""
         prompt_len = self.prompt_lens.get(rid)
         last = prompt_len is not None and prefix_len + n >= prompt_len
-        first = rid not in self.in_progress
+        # Chunk 0 always starts a request: a re-sent rid after a failed or aborted attempt.
+        first = prefix_len == 0 or rid not in self.in_progress
+        if first and self.writer is not None:
+            self.writer.begin_request(rid)
         if last:
             self.prompt_lens.pop(rid, None)
             self.in_progress.pop(rid, None)
@@ -316,3 +396,28 @@ class CaptureSession:
         self.errors += 1
         log = logger.exception if with_traceback else logger.error
         log("hsdump: error while %s (%d so far); the server keeps serving", what, self.errors)
+
+
+def _rank_markers(dump_dir: Path, server_args: Any) -> tuple[Path, list[tuple[int, Path]]]:
+    """This rank's install marker, and ``(tp rank, marker)`` of every rank on this node.
+
+    Other nodes write to their own node's dump dir; ``--dp-size`` replicas on one node share
+    it, so the name holds the DP rank too.
+    """
+    from sglang.srt.runtime_context import get_parallel
+
+    p = get_parallel()
+    tp_rank, tp_size = int(p.tp_rank), int(p.tp_size)
+    try:
+        dp_rank = int(p.dp_rank or 0)
+    except (AttributeError, RuntimeError, ValueError):  # not stamped: no DP replicas
+        dp_rank = 0
+    nnodes = max(1, int(getattr(server_args, "nnodes", 1) or 1))
+    per_node = max(1, tp_size // nnodes)
+    node = tp_rank // per_node
+
+    def marker(rank: int) -> Path:
+        return dump_dir / f".hsdump-installed-dp{dp_rank}-tp{rank}.json"
+
+    peers = range(node * per_node, min(tp_size, (node + 1) * per_node))
+    return marker(tp_rank), [(r, marker(r)) for r in peers]

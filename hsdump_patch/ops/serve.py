@@ -20,7 +20,9 @@ from hsdump_patch.capture import guards
 from hsdump_patch.ops import blackwell
 
 DEFAULT_DUMP_DIR = "/dev/shm/sglang_hs"
-REQUIRED_ARGS = ("--disable-cuda-graph", "--disable-radix-cache")
+# Eager prefill (the capture hooks never run in a graph replay) and no prefix cache. The
+# per-phase spelling: --disable-cuda-graph is deprecated in 0.5.23 and loses to these flags.
+REQUIRED_ARGS = (*guards.DISABLE_GRAPHS_FLAGS.split(), "--disable-radix-cache")
 # SGLang flags that hsdump serve sets from its own options.
 OWN_FLAGS = {"model_path": "--model", "tp_size": "--tp", "host": "--host", "port": "--port"}
 GRAPH_FLAGS = {"cuda_graph_backend_prefill": "--cuda-graph-backend-prefill",
@@ -86,7 +88,8 @@ def contradictions(explicit: dict[str, Any]) -> list[str]:
     for dest, flag in GRAPH_FLAGS.items():
         if dest in explicit and explicit[dest] != "disabled":
             problems.append(f"{flag} {explicit[dest]} turns CUDA graphs on, but extraction needs "
-                            "eager prefill (hsdump serve passes --disable-cuda-graph): remove it")
+                            f"eager prefill (hsdump serve passes {guards.DISABLE_GRAPHS_FLAGS}): "
+                            "remove it")
     return problems
 
 
@@ -111,7 +114,7 @@ def plan(args: argparse.Namespace, capability: tuple[int, int] | None) -> Launch
     server_args = ["--model-path", args.model, "--tp-size", str(args.tp), "--host", args.host,
                    "--port", str(args.port), *REQUIRED_ARGS,
                    *(a for s in applied for a in s.args), *sglang_args]
-    problems += guards.find_problems(sglang_parser().parse_args(server_args))
+    problems += guards.problems_for_cli_args(sglang_parser().parse_args(server_args))
     if problems:
         raise ServeError("hsdump serve: these server arguments cannot be used for extraction:\n"
                          + "\n".join(f"  - {p}" for p in problems))
@@ -151,7 +154,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     env = os.environ.get
     p = subparsers.add_parser(
         "serve", help="launch an SGLang server configured for hidden-state extraction",
-        description="Launch python -m sglang.launch_server with --disable-cuda-graph "
+        description=f"Launch python -m sglang.launch_server with {guards.DISABLE_GRAPHS_FLAGS} "
         "--disable-radix-cache, the dump directory and the GPU profile. Arguments after '--' "
         "go to SGLang unchanged; a profile setting is skipped when they set the same flag.",
     )

@@ -21,7 +21,8 @@ CPU_ARGS = ["--device", "cpu", "--max-total-tokens", "8192", "--host", "127.0.0.
             # idle schedulers otherwise busy-poll a core each, starving the rest of the suite
             "--sleep-on-idle"]
 # What the capture patch requires.
-EXTRACTION_ARGS = ["--disable-cuda-graph", "--disable-radix-cache"]
+EXTRACTION_ARGS = ["--cuda-graph-backend-prefill", "disabled", "--cuda-graph-backend-decode",
+                   "disabled", "--disable-radix-cache"]
 
 
 def free_port() -> int:
