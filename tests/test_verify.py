@@ -55,8 +55,13 @@ def test_report_shows_what_each_check_covered(verify_run):
         ranks = checks["d", f"tp {tp}"]["data"]
         assert ranks["writer_lines"] == 1 and ranks["non_writer_lines"] == tp - 1
         assert ranks["server_json_pid"] == ranks["rank_pids"]["0"]
+        markers = ranks["install_markers"]
+        assert sorted(markers) == [str(r) for r in range(tp)]
+        assert [markers[str(r)]["writer"] for r in range(tp)] == [True] + [False] * (tp - 1)
         overhead = checks["f", f"tp {tp}"]["data"]
         assert overhead["on"]["prefill_tokens_per_s"] > 0 and overhead["dumped_gb"] > 0
+        assert overhead["on"]["undumped_requests"] == []
+        assert overhead["capture_buffer"]["hidden"] == 64
     worst = checks["b", "all"]["data"]["worst"]
     assert worst["max_rel"] <= verify_checks.BF16_MAX_REL
     refusals = checks["e", "resolved config"]["data"]["cases"]

@@ -25,6 +25,7 @@ CPU variant (TP 1 and 2, proportionally smaller batches).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import re
@@ -54,6 +55,7 @@ PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
 GPU_FUSION_TOKENS = 2048
 CPU_FUSION_TOKENS = 64  # the CPU variant's stand-in: same cases, 32x smaller
 CPU_CHUNK = 2 * CPU_FUSION_TOKENS
+KIMI_HIDDEN = 7168
 CHECKS = {
     "a": "dump == SGLang's EAGLE-3 capture, bit for bit",
     "b": "dump vs independent fp32 reference",
@@ -266,8 +268,8 @@ def measure_prefill(server: VerifyServer, settings: Settings) -> dict[str, Any]:
 
 
 def check_ranks(server: VerifyServer) -> Verdict:
-    """Check (d): every rank logged an installed capture, one as the writer; server.json
-    names the writer's process."""
+    """Check (d): every rank logged an installed capture and left its install marker, one as
+    the writer; server.json names the writer's process."""
     assert server.dump_dir is not None
     log = server.log()
     writers, others = log.count("; writer rank"), log.count("; non-writer rank")
@@ -283,13 +285,29 @@ def check_ranks(server: VerifyServer) -> Verdict:
     if pids and info.pid != pids.get(0):
         problems.append(f"server.json was written by pid {info.pid}, not TP rank 0 "
                         f"({pids.get(0)})")
+    markers = {}  # the install marker each rank writes: .hsdump-installed-dp0-tp<rank>.json
+    for rank in range(server.tp):
+        path = server.dump_dir / f".hsdump-installed-dp0-tp{rank}.json"
+        try:
+            markers[rank] = json.loads(path.read_text())
+        except (OSError, ValueError):
+            problems.append(f"no install marker {path.name} for TP rank {rank}")
+    marker_writers = [r for r, m in markers.items() if m.get("writer")]
+    if markers and marker_writers != [0]:
+        problems.append(f"install markers name writers {marker_writers} (expected [0])")
+    wrong_pid = [r for r, m in markers.items() if pids and m.get("pid") != pids.get(r)]
+    if wrong_pid:
+        problems.append(f"install markers of ranks {wrong_pid} are not from this server's "
+                        "scheduler processes")
     strays = [e.name for e in os.scandir(server.dump_dir)
               if e.is_dir() and not e.name.startswith(protocol.rid_dirname(RID))]
     if strays:
         problems.append(f"request dirs of other rids: {strays[:3]}")
     data = {"writer_lines": writers, "non_writer_lines": others, "rank_pids": pids,
-            "server_json_pid": info.pid, "layers": list(info.layers), "final": info.has_final}
-    detail = (f"{server.tp} of {server.tp} ranks installed the capture; rank 0 "
+            "install_markers": markers, "server_json_pid": info.pid,
+            "layers": list(info.layers), "final": info.has_final}
+    detail = (f"{server.tp} of {server.tp} ranks installed the capture (log, install "
+              f"markers); rank 0 "
               f"(pid {info.pid}) is the only writer; layers {list(info.layers)}"
               f"{' + final' if info.has_final else ''}")
     return Verdict("d", f"tp {server.tp}", FAIL if problems else PASS,
@@ -307,6 +325,16 @@ class TpRun:
     memory: dict[str, dict[int, int] | str] = field(default_factory=dict)
     dump_bytes_per_token: int = 0
     start_s: dict[str, float] = field(default_factory=dict)  # server start-up times
+    capture_buffer: dict[str, int] | None = None
+
+
+def capture_buffer(log: str) -> dict[str, int] | None:
+    """The writer's device buffer as the capture logs it (the last, largest one)."""
+    found = re.findall(r"hsdump: capture buffer of (\d+) tokens x (\d+) states x (\d+) "
+                       r"\((\d+) MiB\)", log)
+    if not found:
+        return None
+    return dict(zip(("tokens", "states", "hidden", "mib"), map(int, found[-1]), strict=True))
 
 
 def run_tp(settings: Settings, model: Path, tp: int, dumps: dict[str, Dumped]) -> TpRun:
@@ -334,6 +362,7 @@ def run_tp(settings: Settings, model: Path, tp: int, dumps: dict[str, Dumped]) -
             res.tput[key] = measure_prefill(server, settings)
             if dump:
                 res.verdicts.append(check_ranks(server))
+                res.capture_buffer = capture_buffer(server.log())
             elif "hsdump: capturing" in server.log():
                 res.verdicts.append(Verdict("d", f"tp {tp}", FAIL,
                                             "the dump-off server installed the capture"))
@@ -403,6 +432,13 @@ def check_overhead(res: TpRun, settings: Settings) -> Verdict:
             if extra > settings.max_writer_extra_mib:
                 problems.append(f"the writer rank uses {extra} MiB more device memory than the "
                                 f"others (> {settings.max_writer_extra_mib:.0f})")
+    buf = res.capture_buffer
+    if buf:
+        # the same buffer at Kimi-K2.5 / DeepSeek-V3's hidden size, bf16
+        kimi_gib = buf["tokens"] * buf["states"] * KIMI_HIDDEN * 2 / (1 << 30)
+        data.update(capture_buffer=buf, capture_buffer_gib_at_hidden_7168=round(kimi_gib, 2))
+        mem += (f"; writer's capture buffer {buf['tokens']} tokens, {buf['mib']} MiB "
+                f"({kimi_gib:.2f} GiB at hidden {KIMI_HIDDEN})")
     detail = (f"prefill {on['prefill_tokens_per_s']:,.0f} tok/s on vs "
               f"{off['prefill_tokens_per_s']:,.0f} off ({ratio:.0%}); {mem}; writer rank CPU "
               f"{writer_cpu:+.2f} s for {gb:.3f} GB dumped")
