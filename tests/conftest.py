@@ -120,3 +120,28 @@ def deepseek_server(tmp_path_factory, tiny_models) -> Iterator[DumpServer]:
         args=["--return-aux-hidden-state-layer-ids", *map(str, DEEPSEEK_DRAFT_IDS)],
         env={"SGLANG_HS_DUMP_DRAFT_CONFIG": str(draft)},
     )
+
+
+@pytest.fixture(scope="session")
+def tiny_kimi(tmp_path_factory, sglang_available) -> tuple[Path, Path]:
+    """A tiny Kimi-K2.5 checkpoint (float32) and its language model as plain DeepSeek-V3."""
+    from tests.harness import make_models
+
+    out = tmp_path_factory.mktemp("kimi-models")
+    return (make_models.make_kimi_k25(out / "tiny-kimi-k25", out / "tiny-kimi-k25-text"),
+            out / "tiny-kimi-k25-text")
+
+
+@pytest.fixture(scope="session")
+def kimi_server(tmp_path_factory, tiny_kimi) -> Iterator[DumpServer]:
+    """The tiny Kimi-K2.5 served text-only as SGLang serves it (``language_model_only``,
+    Kimi's custom tokenizer code), float32, dump on with the final state, chunked prefill."""
+    tmp = tmp_path_factory.mktemp("kimi-server")
+    s = start_dump_server(
+        tmp, tiny_kimi[0], "tiny-kimi-k25",
+        args=["--chunked-prefill-size", str(CHUNK), "--dtype", "float32", "--trust-remote-code",
+              "--json-model-override-args", json.dumps({"language_model_only": True})],
+        env={"SGLANG_HS_DUMP_FINAL": "1"},
+    )
+    yield s
+    s.server.stop()

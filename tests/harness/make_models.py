@@ -67,35 +67,143 @@ def make_llama(path: Path, hidden: int = 64, layers: int = 8, intermediate: int 
     return path
 
 
-def make_deepseek_v3(path: Path):
-    """Write a tiny random DeepSeek-V3 (MLA + MoE, 8 layers, first dense) checkpoint."""
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+def _deepseek_v3_config(layers: int, vocab: int, bos: int, eos: int, pad: int, dtype: str):
+    from transformers import DeepseekV3Config
 
-    torch.manual_seed(0)
-    tok = make_tokenizer(path)
-    cfg = DeepseekV3Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=4,
+    return DeepseekV3Config(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
         n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2, first_k_dense_replace=1,
         n_group=1, topk_group=1, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=16,
         qk_nope_head_dim=32, v_head_dim=32, max_position_embeddings=163840,
-        routed_scaling_factor=1.0, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id, tie_word_embeddings=False, torch_dtype="bfloat16",
+        routed_scaling_factor=1.0, bos_token_id=bos, eos_token_id=eos,
+        pad_token_id=pad, tie_word_embeddings=False, torch_dtype=dtype,
         topk_method="noaux_tc", norm_topk_prob=True, scoring_func="sigmoid",
         rope_scaling={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
                       "original_max_position_embeddings": 4096, "beta_fast": 32,
                       "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
     )
-    DeepseekV3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
-    # SGLang reads fields that transformers 5 does not write.
-    cfg_path = path / "config.json"
-    cj = json.loads(cfg_path.read_text())
+
+
+def _sglang_deepseek_fields(cj: dict) -> dict:
+    """Add the config fields SGLang reads and transformers 5 does not write."""
     cj["moe_layer_freq"] = 1
     cj["rope_scaling"] = {"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
                           "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
     cj["rope_theta"] = 10000.0
     cj.setdefault("aux_loss_alpha", 0.001)
-    cfg_path.write_text(json.dumps(cj, indent=2))
+    return cj
+
+
+def make_deepseek_v3(path: Path):
+    """Write a tiny random DeepSeek-V3 (MLA + MoE, 8 layers, first dense) checkpoint."""
+    from transformers import DeepseekV3ForCausalLM
+
+    torch.manual_seed(0)
+    tok = make_tokenizer(path)
+    cfg = _deepseek_v3_config(8, VOCAB, tok.bos_token_id, tok.eos_token_id, tok.pad_token_id,
+                              "bfloat16")
+    DeepseekV3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
+    cfg_path = path / "config.json"
+    cfg_path.write_text(json.dumps(_sglang_deepseek_fields(json.loads(cfg_path.read_text())),
+                                   indent=2))
+    return path
+
+
+KIMI_DIR = Path(__file__).parent / "kimi"
+KIMI_BASE_VOCAB = 512  # tiktoken ranks; the 258 reserved special ids follow them
+# Kimi's special-token layout: offsets from the end of the base vocabulary, as in
+# moonshotai/Kimi-K2-Instruct's tokenizer_config.json (163584 + offset there).
+KIMI_SPECIALS = {
+    0: "[BOS]", 1: "[EOS]", 2: "<|im_end|>", 3: "<|im_user|>", 4: "<|im_assistant|>",
+    6: "<|start_header_id|>", 7: "<|end_header_id|>", 9: "[EOT]", 10: "<|im_system|>",
+    11: "<|tool_calls_section_begin|>", 12: "<|tool_calls_section_end|>",
+    13: "<|tool_call_begin|>", 14: "<|tool_call_argument_begin|>", 15: "<|tool_call_end|>",
+    17: "<|im_middle|>", 18: "<|media_begin|>", 19: "<|media_content|>", 20: "<|media_end|>",
+    21: "<|media_pad|>", 22: "<think>", 23: "</think>", 254: "[UNK]", 255: "[PAD]",
+}
+_KIMI_CORPUS = [
+    *_CORPUS,
+    "Let me think about this step by step. The user wants the weather in Paris.",
+    'I will call the get_weather tool with {"city": "Paris", "unit": "celsius"}.',
+    "The tool returned 18 degrees and light rain, so I should answer briefly.",
+    "Sure! Here is the answer: it is raining in Paris today.",
+    "def add(a, b):\n    return a + b\n\nprint(add(2, 3))",
+]
+
+
+def make_kimi_tokenizer(path: Path) -> None:
+    """Write a small tiktoken vocabulary with Kimi's special-token layout, loaded through the
+    Kimi-style ``TikTokenTokenizer`` custom code (``trust_remote_code``)."""
+    import base64
+    import shutil
+
+    from tiktoken._educational import bpe_train
+
+    path.mkdir(parents=True, exist_ok=True)
+    pat = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+    corpus = "\n".join(_KIMI_CORPUS * 4) + (KIMI_DIR / "chat_template.jinja").read_text()
+    ranks = bpe_train(corpus, KIMI_BASE_VOCAB, pat, visualise=None)
+    (path / "tiktoken.model").write_text("".join(
+        f"{base64.b64encode(tok).decode()} {rank}\n" for tok, rank in ranks.items()))
+    shutil.copy(KIMI_DIR / "tokenization_kimi.py", path / "tokenization_kimi.py")
+    shutil.copy(KIMI_DIR / "chat_template.jinja", path / "chat_template.jinja")
+    specials = {KIMI_BASE_VOCAB + off: name for off, name in KIMI_SPECIALS.items()}
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "TikTokenTokenizer",
+        "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
+        "bos_token": "[BOS]", "eos_token": "[EOS]", "unk_token": "[UNK]", "pad_token": "[PAD]",
+        "additional_special_tokens": [n for n in specials.values() if n.startswith("<")],
+        "added_tokens_decoder": {str(i): {"content": n, "lstrip": False, "normalized": False,
+                                          "rstrip": False, "single_word": False, "special": True}
+                                 for i, n in specials.items()},
+        "model_max_length": 1048576,
+    }, indent=2))
+
+
+def make_kimi_k25(path: Path, text_path: Path, layers: int = 4) -> Path:
+    """Write a tiny random Kimi-K2.5 (``KimiK25ForConditionalGeneration``: a tiny MoonViT
+    vision config + DeepSeek-V3 language model, float32) to ``path``, and the same language
+    model weights as a plain DeepSeek-V3 checkpoint to ``text_path`` (the HF reference).
+
+    The vision tower is built from the config but has no weights in the checkpoint: the server
+    runs with ``language_model_only``, which skips them (SGLang's Kimi-K2.5 loader).
+    """
+    from safetensors.torch import save_file
+    from transformers import DeepseekV3ForCausalLM
+
+    torch.manual_seed(0)
+    make_kimi_tokenizer(path)
+    vocab = KIMI_BASE_VOCAB + 258
+    ids = {name: KIMI_BASE_VOCAB + off for off, name in KIMI_SPECIALS.items()}
+    text_cfg = _deepseek_v3_config(layers, vocab, ids["[BOS]"], ids["<|im_end|>"], ids["[PAD]"],
+                                   "float32")
+    text_model = DeepseekV3ForCausalLM(text_cfg).float()
+    text_model.save_pretrained(text_path, safe_serialization=True)
+    cfg_path = text_path / "config.json"
+    text_cj = _sglang_deepseek_fields(json.loads(cfg_path.read_text()))
+    cfg_path.write_text(json.dumps(text_cj, indent=2))
+    save_file({f"language_model.{k}": v.contiguous() for k, v in text_model.state_dict().items()},
+              str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["KimiK25ForConditionalGeneration"],
+        "model_type": "kimi_k25",
+        "text_config": {**text_cj, "architectures": ["DeepseekV3ForCausalLM"]},
+        "vision_config": {
+            "patch_size": 14, "init_pos_emb_height": 8, "init_pos_emb_width": 8,
+            "init_pos_emb_time": 4, "pos_emb_type": "divided_fixed", "num_attention_heads": 2,
+            "num_hidden_layers": 1, "hidden_size": 32, "vt_hidden_size": 32,
+            "intermediate_size": 64,
+            "merge_kernel_size": [2, 2], "video_attn_type": "spatial_temporal",
+            "merge_type": "sd2_tpool", "mm_projector_type": "patchmerger",
+            "projector_hidden_act": "gelu", "projector_ln_eps": 1e-5, "text_hidden_size": 64,
+        },
+        "media_placeholder_token_id": ids["<|media_pad|>"],
+        "pad_token_id": ids["[PAD]"], "bos_token_id": ids["[BOS]"],
+        "eos_token_id": ids["<|im_end|>"], "torch_dtype": "float32",
+    }, indent=2))
+    (path / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": ids["[BOS]"], "eos_token_id": ids["<|im_end|>"]}))
     return path
 
 
