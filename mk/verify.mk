@@ -13,7 +13,7 @@ verify: $(STAMP) ## Acceptance run (hsdump verify): CPU variant here, the image 
 	@mkdir -p $(VERIFY_DIR)
 	$(VERIFY_CPU_ENV) $(PY) -m hsdump_patch.cli verify --work $(abspath $(VERIFY_DIR)) $(VERIFY_ARGS)
 else
-verify: ## Acceptance run (hsdump verify): CPU variant here, the image on a GPU host
+verify:
 	@mkdir -p $(VERIFY_DIR)
 	$(ENGINE) run --rm --gpus all --ipc=host --ulimit memlock=-1 --ulimit stack=67108864 \
 	  -v $(abspath $(VERIFY_DIR)):/verify --entrypoint hsdump $(IMAGE_TAG) \
