@@ -227,6 +227,11 @@ class ChatRenderer:
         # The assistant header: the generation prompt without a think block it opens.
         self.opens_think = bool(self.think and gen.endswith(self.think.start))
         self.header = gen[: -len(self.think.start)] if self.opens_think else gen
+        # Special tokens are split out before BPE: no token spans a boundary next to one.
+        self.specials = sorted(tokenizer.get_added_vocab(), key=len, reverse=True)
+        # What the template puts after an assistant turn's content (its end-of-turn text).
+        answered = self._render([*_PROBE, {"role": "assistant", "content": "y"}], False)
+        self.end_of_turn = answered[answered.rfind("y") + 1:] if "y" in answered else ""
 
     def _render(self, messages: Sequence[dict[str, Any]], generation_prompt: bool,
                 tools: list[dict[str, Any]] | None = None) -> str:
@@ -299,40 +304,111 @@ class ChatRenderer:
         turns = self._turns(conv)
         if self.policy == "last":
             turns = turns[-1:]
-        prompts = [prompt_text(self.tokenizer, conv.messages[:k], conv.tools) for k in turns]
-        completions = [self._completion(conv, k, p) for k, p in zip(turns, prompts, strict=True)]
+        last = turns[-1]
+        last_prompt = prompt_text(self.tokenizer, conv.messages[:last], conv.tools)
+        last_completion = self._completion(conv, last, last_prompt)
         if self.policy == "auto" and len(turns) > 1:
-            single = self._single(prompts, completions)
+            single = self._single(conv, turns, last_prompt, last_completion)
             if single is not None:
                 return [single]
         out = []
-        for n, (k, prompt, (_, c_ids)) in enumerate(zip(turns, prompts, completions, strict=True)):
+        for n, k in enumerate(turns):
+            prompt = last_prompt if k == last else prompt_text(
+                self.tokenizer, conv.messages[:k], conv.tools)
+            _, c_ids = last_completion if k == last else self._completion(conv, k, prompt)
             p_ids = encode(self.tokenizer, prompt)
             out.append(TurnSample("" if n == 0 else f"#{k}", p_ids + c_ids,
                                   [0] * len(p_ids) + [1] * len(c_ids)))
         return out
 
-    def _single(self, prompts: list[str],
-                completions: list[tuple[str, list[int]]]) -> TurnSample | None:
-        """One sample with every turn masked, if the serving prompts are prefixes of one stream.
+    def _single(self, conv: Conversation, turns: list[int], last_prompt: str,
+                last_completion: tuple[str, list[int]]) -> TurnSample | None:
+        """One sample with every turn masked, or None when the turns' serving prompts are not
+        prefixes of one token stream (then each turn is a sample of its own).
 
-        Each turn's prompt + completion must be a text prefix of the next prompt, and the
-        pieces' tokens must equal the tokens of the whole text encoded at once (so every prompt
-        ends on a token boundary and every masked token is the token the stream has there).
+        Linear in the turns: the stream is the last turn's serving prompt + completion, and each
+        earlier turn is found in it after its assistant header, up to the end-of-turn text. An
+        earlier turn qualifies only if the stream still holds it as the model emitted it (its
+        reasoning, content, or regenerated tokens), so a template that drops or rewrites past
+        turns falls back to per-turn samples. Every piece boundary must be a token boundary,
+        and the masked tokens must decode to exactly each turn's completion text.
         """
+        msgs = conv.messages
+        stream = last_prompt + last_completion[0]
+        heads = _find_all(last_prompt, self.header)
+        assistants = [i for i, m in enumerate(msgs[: turns[-1]]) if m["role"] == "assistant"]
+        if not self.end_of_turn or len(heads) != len(assistants) + 1:
+            return None
+        opener = self.think.start if self.opens_think else ""  # type: ignore[union-attr]
+        cuts = []  # (start, end) of each earlier turn's completion in the stream
+        for k in turns[:-1]:
+            start = heads[assistants.index(k)] + len(self.header)
+            if not stream.startswith(opener, start):
+                return None
+            start += len(opener)
+            end = stream.find(self.end_of_turn, start)
+            if end < 0:
+                return None
+            end += len(self.end_of_turn)
+            if not self._intact(msgs[k], stream[start:end]):
+                return None
+            cuts.append((start, end))
+        cuts.append((len(last_prompt), len(stream)))
         ids: list[int] = []
         mask: list[int] = []
-        done = 0  # characters of the stream covered so far
-        for n, (prompt, (c_text, c_ids)) in enumerate(zip(prompts, completions, strict=True)):
-            if n and not prompt.startswith(prompts[n - 1] + completions[n - 1][0]):
+        done = 0
+        for n, (start, end) in enumerate(cuts):
+            head = encode(self.tokenizer, stream[done:start])
+            tokens = msgs[turns[n]].get("token_ids")
+            if n == len(cuts) - 1:
+                body = last_completion[1]
+            elif tokens is not None:
+                body = tokens
+            else:
+                body = encode(self.tokenizer, stream[start:end])
+            if self.tokenizer.decode(body) != stream[start:end]:
                 return None
-            head = encode(self.tokenizer, prompt[done:])
-            ids += head + c_ids
-            mask += [0] * len(head) + [1] * len(c_ids)
-            done = len(prompt) + len(c_text)
-        if encode(self.tokenizer, prompts[-1] + completions[-1][0]) != ids:
+            ids += head + body
+            mask += [0] * len(head) + [1] * len(body)
+            done = end
+        internal = [x for start, end in cuts[:-1] for x in (start, end)]
+        if not all(self._token_boundary(stream, x) for x in internal):
+            return None
+        if self.tokenizer.decode(ids) != stream:
             return None
         return TurnSample("", ids, mask)
+
+    def _intact(self, msg: dict[str, Any], emitted: str) -> bool:
+        """Whether ``emitted`` (a past turn as a later prompt holds it) is the turn as the
+        model produced it: regenerated tokens verbatim, else its reasoning and content."""
+        if self.header in emitted:
+            return False
+        if msg.get("token_ids") is not None:
+            return self.tokenizer.decode(msg["token_ids"]) == emitted
+        reasoning = (msg.get("reasoning_content") or "").strip()
+        if reasoning and reasoning not in (
+                emitted.split(self.think.end)[0] if self.think else emitted):
+            return False
+        content = (msg.get("content") or "").strip()
+        return content in emitted
+
+    def _token_boundary(self, text: str, at: int, window: int = 32) -> bool:
+        """Whether encoding does not merge tokens across ``text[at]``: a special token on
+        either side, else checked on a window around it."""
+        if any(text.startswith(t, at) or text.endswith(t, 0, at) for t in self.specials):
+            return True
+        left, right = text[max(0, at - window):at], text[at:at + window]
+        return encode(self.tokenizer, left + right) == (
+            encode(self.tokenizer, left) + encode(self.tokenizer, right))
+
+
+def _find_all(text: str, needle: str) -> list[int]:
+    """Start offsets of the non-overlapping occurrences of ``needle`` in ``text``."""
+    out, at = [], text.find(needle)
+    while at >= 0:
+        out.append(at)
+        at = text.find(needle, at + len(needle))
+    return out
 
 
 def chat_renderer(tokenizer: Any, policy: str = "auto",
