@@ -26,7 +26,7 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-_CORPUS = [
+CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "Hello world, this is a tiny tokenizer for testing SGLang on CPU.",
     "EAGLE speculative decoding drafts tokens with a small model.",
@@ -63,7 +63,7 @@ def make_tokenizer(path: Path) -> Any:
         vocab_size=VOCAB - 16, special_tokens=specials,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    tok.train_from_iterator(_CORPUS * 20, trainer)
+    tok.train_from_iterator(CORPUS * 20, trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
         pad_token="<pad>", additional_special_tokens=specials[4:],
@@ -73,29 +73,42 @@ def make_tokenizer(path: Path) -> Any:
     return fast
 
 
-def make_deepseek_v3(path: Path, shape: str = "cpu", seed: int = 0) -> Path:
-    """Write a random-weight DeepSeek-V3 checkpoint (bf16) of ``shape`` to ``path``."""
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+def deepseek_v3_config(shape: str = "cpu", *, vocab: int = VOCAB, bos: int, eos: int, pad: int,
+                       dtype: str = "bfloat16", layers: int | None = None) -> Any:
+    """A ``DeepseekV3Config`` of ``shape`` (``layers`` overrides its layer count)."""
+    from transformers import DeepseekV3Config
 
     if shape not in SHAPES:
         raise ValueError(f"unknown model shape {shape!r}; choose one of {', '.join(SHAPES)}")
-    torch.manual_seed(seed)
-    tok = make_tokenizer(path)
-    cfg = DeepseekV3Config(
-        vocab_size=VOCAB, first_k_dense_replace=1, max_position_embeddings=163840,
-        routed_scaling_factor=1.0, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id, tie_word_embeddings=False, torch_dtype="bfloat16",
-        topk_method="noaux_tc", norm_topk_prob=True, scoring_func="sigmoid",
-        rope_scaling={"rope_type": "yarn", "rope_theta": 10000.0, **_YARN},
-        **SHAPES[shape],
+    dims = dict(SHAPES[shape], **({"num_hidden_layers": layers} if layers else {}))
+    return DeepseekV3Config(
+        vocab_size=vocab, first_k_dense_replace=1, max_position_embeddings=163840,
+        routed_scaling_factor=1.0, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,
+        tie_word_embeddings=False, torch_dtype=dtype, topk_method="noaux_tc",
+        norm_topk_prob=True, scoring_func="sigmoid",
+        rope_scaling={"rope_type": "yarn", "rope_theta": 10000.0, **_YARN}, **dims,
     )
-    DeepseekV3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
-    # SGLang reads fields that transformers 5 does not write.
-    cfg_path = path / "config.json"
-    cj = json.loads(cfg_path.read_text())
+
+
+def add_sglang_fields(cj: dict[str, Any]) -> dict[str, Any]:
+    """Add to a DeepSeek-V3 ``config.json`` the fields SGLang reads and transformers 5 does
+    not write."""
     cj["moe_layer_freq"] = 1
     cj["rope_scaling"] = {"type": "yarn", **_YARN}
     cj["rope_theta"] = 10000.0
     cj.setdefault("aux_loss_alpha", 0.001)
-    cfg_path.write_text(json.dumps(cj, indent=2))
+    return cj
+
+
+def make_deepseek_v3(path: Path, shape: str = "cpu", seed: int = 0) -> Path:
+    """Write a random-weight DeepSeek-V3 checkpoint (bf16) of ``shape`` to ``path``."""
+    from transformers import DeepseekV3ForCausalLM
+
+    torch.manual_seed(seed)
+    tok = make_tokenizer(path)
+    cfg = deepseek_v3_config(shape, bos=tok.bos_token_id, eos=tok.eos_token_id,
+                             pad=tok.pad_token_id)
+    DeepseekV3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
+    cfg_path = path / "config.json"
+    cfg_path.write_text(json.dumps(add_sglang_fields(json.loads(cfg_path.read_text())), indent=2))
     return path

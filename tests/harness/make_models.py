@@ -12,41 +12,11 @@ from pathlib import Path
 
 import torch
 
-VOCAB = 1024
-# A chat template with explicit turn markers, like real ones (no {% generation %} tags).
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
-_CORPUS = [
-    "The quick brown fox jumps over the lazy dog.",
-    "Hello world, this is a tiny tokenizer for testing SGLang on CPU.",
-    "EAGLE speculative decoding drafts tokens with a small model.",
-    "Hidden states from decoder layers are dumped to shared memory.",
-    "What is the capital of France? Paris is the capital of France.",
-]
+from hsdump_patch.ops import verify_model
 
-
-def make_tokenizer(path: Path):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    specials = ["<unk>", "<s>", "</s>", "<pad>", "<|system|>", "<|user|>", "<|assistant|>"]
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB - 16, special_tokens=specials,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(_CORPUS * 20, trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-        pad_token="<pad>", additional_special_tokens=specials[4:],
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(path)
-    return fast
+# The tokenizer and the DeepSeek-V3 geometry are hsdump verify's (one generator for both).
+VOCAB, CHAT_TEMPLATE, _CORPUS = verify_model.VOCAB, verify_model.CHAT_TEMPLATE, verify_model.CORPUS
+make_tokenizer = verify_model.make_tokenizer
 
 
 def make_llama(path: Path, hidden: int = 64, layers: int = 8, intermediate: int | None = None):
@@ -68,46 +38,16 @@ def make_llama(path: Path, hidden: int = 64, layers: int = 8, intermediate: int 
 
 
 def _deepseek_v3_config(layers: int, vocab: int, bos: int, eos: int, pad: int, dtype: str):
-    from transformers import DeepseekV3Config
-
-    return DeepseekV3Config(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
-        n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2, first_k_dense_replace=1,
-        n_group=1, topk_group=1, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=16,
-        qk_nope_head_dim=32, v_head_dim=32, max_position_embeddings=163840,
-        routed_scaling_factor=1.0, bos_token_id=bos, eos_token_id=eos,
-        pad_token_id=pad, tie_word_embeddings=False, torch_dtype=dtype,
-        topk_method="noaux_tc", norm_topk_prob=True, scoring_func="sigmoid",
-        rope_scaling={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
-                      "original_max_position_embeddings": 4096, "beta_fast": 32,
-                      "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
-    )
+    return verify_model.deepseek_v3_config("cpu", vocab=vocab, bos=bos, eos=eos, pad=pad,
+                                           dtype=dtype, layers=layers)
 
 
-def _sglang_deepseek_fields(cj: dict) -> dict:
-    """Add the config fields SGLang reads and transformers 5 does not write."""
-    cj["moe_layer_freq"] = 1
-    cj["rope_scaling"] = {"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
-                          "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
-    cj["rope_theta"] = 10000.0
-    cj.setdefault("aux_loss_alpha", 0.001)
-    return cj
+_sglang_deepseek_fields = verify_model.add_sglang_fields
 
 
 def make_deepseek_v3(path: Path):
     """Write a tiny random DeepSeek-V3 (MLA + MoE, 8 layers, first dense) checkpoint."""
-    from transformers import DeepseekV3ForCausalLM
-
-    torch.manual_seed(0)
-    tok = make_tokenizer(path)
-    cfg = _deepseek_v3_config(8, VOCAB, tok.bos_token_id, tok.eos_token_id, tok.pad_token_id,
-                              "bfloat16")
-    DeepseekV3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
-    cfg_path = path / "config.json"
-    cfg_path.write_text(json.dumps(_sglang_deepseek_fields(json.loads(cfg_path.read_text())),
-                                   indent=2))
-    return path
+    return verify_model.make_deepseek_v3(path, "cpu")
 
 
 KIMI_DIR = Path(__file__).parent / "kimi"
