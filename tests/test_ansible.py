@@ -527,7 +527,8 @@ def test_fail_fast_on_a_worker_node_with_logs_from_every_node(ansible, docker_en
     """Two-node replica: node 1's model dir holds a broken config.json. Node 0 never gets
     /ready; the worker's failure ends the wait of both, with both nodes' logs."""
     v = server_vars(hsdump_image, tiny_models, tmp_path)
-    names = {h: f"{v.pop('hsdump_container_name')}-{h[-1]}" for h in ("cpu-node-0", "cpu-node-1")}
+    base = v.pop("hsdump_container_name")
+    names = {h: f"{base}-{h[-1]}" for h in ("cpu-node-0", "cpu-node-1")}
     broken = tmp_path / "broken-model"
     broken.mkdir()
     (broken / "config.json").write_text("{not json")
