@@ -230,3 +230,16 @@ def test_tiny_kimi_k25_end_to_end_in_both_formats(tmp_path, kimi_server, tiny_ki
             worst = max(worst, (final.float() - hf_final).abs().max().item())
     print(f"worst |record - HF fp32| = {worst:.2e}")
     assert worst < 1e-4
+
+    # Resume after a crash between the samples of one row: the missing one is extracted.
+    out = tmp_path / "eagle3"
+    manifest = out / "manifest.shard-0-of-1.jsonl"
+    lines = manifest.read_text().splitlines(keepends=True)
+    (lost,) = [json.loads(x) for x in lines if json.loads(x)["id"] == "agent-trace#5"]
+    manifest.write_text("".join(x for x in lines if json.loads(x)["id"] != "agent-trace#5"))
+    (out / lost["file"]).unlink()
+    assert cli(["extract", "--server", kimi_server.url, "--dump-dir", str(kimi_server.dump_dir),
+                "--dataset", str(dataset), "--out", str(out), "--no-progress"]) == 0
+    again = dict(iter_records(out))
+    assert sorted(again) == sorted(want)
+    assert again["agent-trace#5"]["input_ids"].tolist() == want["agent-trace#5"][0]

@@ -474,9 +474,9 @@ def extract(settings: Settings, dataset: Path, *, shard: Shard | None = None,
         remove_stale_temps(settings.out, {records.record_name(r.id, settings.fmt,
                                                               settings.compress) for r in rows})
         run.sweep_dump_dir(r.id for r in rows)
-        todo = [r for r in rows if r.id not in done]
-        report.already_done = _check_done(dataset, [r for r in rows if r.id in done], done,
-                                          renderer, max_len)
+        redo = _check_done(dataset, [r for r in rows if r.id in done], done, renderer, max_len)
+        todo = [r for r in rows if r.id not in done or r.id in redo]
+        report.already_done = sum(r.id in done and r.id not in redo for r in rows)
         items: list[Any] = list(bad_rows)
         run.run(_chain(items, iter_samples(dataset, todo, renderer, max_len)),
                 len(bad_rows) + len(todo), manifest, report)
@@ -490,15 +490,20 @@ def _chain(first: list[Any], rest: Iterable[Any]) -> Iterable[Any]:
 
 
 def _check_done(dataset: Path, refs: list[RowRef], done: dict[str, dict[str, Any]],
-                renderer: ChatRenderer | None, max_len: int | None) -> int:
-    """Check that already-extracted samples are unchanged in the dataset; return their count."""
+                renderer: ChatRenderer | None, max_len: int | None) -> set[str]:
+    """Check that already-extracted samples are unchanged in the dataset; return the ids of
+    the rows with a sample still to extract (a chat row may give several: --multi-turn)."""
+    row_at = {f"{dataset}:{r.line}": r.id for r in refs}
+    redo = set()
     for item in iter_samples(dataset, refs, renderer, max_len):
-        if isinstance(item, Sample) and item.digest != done[item.id].get("digest"):
+        if isinstance(item, Sample) and item.id not in done:
+            redo.add(row_at[item.where])
+        elif isinstance(item, Sample) and item.digest != done[item.id].get("digest"):
             raise ValueError(
                 f"{item.where}: sample {item.id!r} changed since its record was written (other "
                 "tokens, mask, --max-len or tokenizer); use a new --out directory, or delete its "
                 "record and rerun")
-    return len(refs)
+    return redo
 
 
 # ------------------------------------------------------------------------------ CLI
