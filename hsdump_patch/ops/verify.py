@@ -203,7 +203,7 @@ def check_aux(server: VerifyServer, t: int, chunk: int, dumps: dict[str, Dumped]
             bad = verify_checks.bitwise_mismatch(ours, builtin)
             if bad:
                 problems.append(f"{rid}: {bad}")
-        chunks = max(len(dumps[r].chunk_starts) for r in rids if r in dumps) if dumps else 0
+        chunks = max((len(dumps[r].chunk_starts) for r in rids if r in dumps), default=0)
         if "multi-chunk" in case and chunks < 2:
             problems.append(f"the prompt was not split (1 chunk at --chunked-prefill-size "
                             f"{chunk})")
