@@ -195,6 +195,16 @@ def encode(tokenizer: Any, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+def decode(tokenizer: Any, ids: list[int]) -> str:
+    """The text of ``ids``, exactly (no clean-up of spaces)."""
+    return tokenizer.decode(ids, clean_up_tokenization_spaces=False)
+
+
+def decodes_to(tokenizer: Any, ids: list[int], text: str) -> bool:
+    """Whether ``ids`` are exactly ``text`` (the plain decode first: it is the fast one)."""
+    return tokenizer.decode(ids) == text or decode(tokenizer, ids) == text
+
+
 def prompt_ids(tokenizer: Any, messages: Sequence[dict[str, Any]],
                   tools: list[dict[str, Any]] | None = None) -> list[int]:
     """The prompt ids of the assistant turn that follows ``messages``, as the server sees them.
@@ -230,8 +240,10 @@ class ChatRenderer:
         # Special tokens are split out before BPE: no token spans a boundary next to one.
         self.specials = sorted(tokenizer.get_added_vocab(), key=len, reverse=True)
         # What the template puts after an assistant turn's content (its end-of-turn text).
-        answered = self._render([*_PROBE, {"role": "assistant", "content": "y"}], False)
-        self.end_of_turn = answered[answered.rfind("y") + 1:] if "y" in answered else ""
+        answer = "hsdump-probe-answer"
+        answered = self._render([*_PROBE, {"role": "assistant", "content": answer}], False)
+        cut = answered.rfind(answer)
+        self.end_of_turn = answered[cut + len(answer):] if cut >= 0 else ""
 
     def _render(self, messages: Sequence[dict[str, Any]], generation_prompt: bool,
                 tools: list[dict[str, Any]] | None = None) -> str:
@@ -291,10 +303,10 @@ class ChatRenderer:
                     isinstance(t, int) and not isinstance(t, bool) for t in ids) or not ids:
                 raise ConversationError(f"messages[{k}].token_ids must be a non-empty list of "
                                         "integers")
-            return self.tokenizer.decode(ids), ids
+            return decode(self.tokenizer, ids), ids
         text = self.completion_text(conv, k, prompt)
         ids = encode(self.tokenizer, text)
-        if self.tokenizer.decode(ids) != text:
+        if not decodes_to(self.tokenizer, ids, text):
             raise ConversationError(f"messages[{k}]: the completion tokens do not decode back "
                                     "to the completion text; its mask would misalign")
         return text, ids
@@ -366,7 +378,7 @@ class ChatRenderer:
                 body = tokens
             else:
                 body = encode(self.tokenizer, stream[start:end])
-            if self.tokenizer.decode(body) != stream[start:end]:
+            if not decodes_to(self.tokenizer, body, stream[start:end]):
                 return None
             ids += head + body
             mask += [0] * len(head) + [1] * len(body)
@@ -374,7 +386,7 @@ class ChatRenderer:
         internal = [x for start, end in cuts[:-1] for x in (start, end)]
         if not all(self._token_boundary(stream, x) for x in internal):
             return None
-        if self.tokenizer.decode(ids) != stream:
+        if not decodes_to(self.tokenizer, ids, stream):
             return None
         return TurnSample("", ids, mask)
 
@@ -384,7 +396,7 @@ class ChatRenderer:
         if self.header in emitted:
             return False
         if msg.get("token_ids") is not None:
-            return self.tokenizer.decode(msg["token_ids"]) == emitted
+            return decodes_to(self.tokenizer, msg["token_ids"], emitted)
         reasoning = (msg.get("reasoning_content") or "").strip()
         if reasoning and reasoning not in (
                 emitted.split(self.think.end)[0] if self.think else emitted):
