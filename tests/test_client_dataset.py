@@ -172,3 +172,49 @@ def test_shards_are_disjoint_and_cover_every_id():
     for bad in ("3/3", "1", "a/b", "0/0"):
         with pytest.raises(ValueError, match="--shard"):
             Shard.parse(bad)
+
+
+QWEN3_STYLE = (  # keeps reasoning only after the last user query, like Qwen3's template
+    "{%- set ns = namespace(q=-1) -%}{%- for m in messages -%}{%- if m['role'] == 'user' -%}"
+    "{%- set ns.q = loop.index0 -%}{%- endif -%}{%- endfor -%}"
+    "{%- for m in messages -%}<|{{ m['role'] }}|>"
+    "{%- if m['role'] == 'assistant' and loop.index0 > ns.q and m.get('reasoning_content') -%}"
+    "<think>\n{{ m['reasoning_content'] }}\n</think>\n\n{% endif -%}"
+    "{{ m['content'] }}</s>{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}")
+
+
+def test_a_template_dropping_past_reasoning_gives_serving_time_samples(tok_dir):
+    from hsdump_patch.client.conversation import ChatRenderer as Renderer
+    from hsdump_patch.client.conversation import ThinkMarkers, parse_conversation
+
+    tok = fresh_tokenizer(tok_dir)
+    tok.chat_template = QWEN3_STYLE
+    row = {"messages": [
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "Paris.", "reasoning_content": "Easy one."},
+        {"role": "user", "content": "And the quick brown fox?"},
+        {"role": "assistant", "content": "It jumps.", "reasoning_content": "A pangram."}]}
+
+    def enc(text):
+        return tok.encode(text, add_special_tokens=False)
+
+    p1 = enc("<|user|>What is the capital of France?</s><|assistant|>")
+    c1 = enc("<think>\nEasy one.\n</think>\n\nParis.</s>")
+    p2 = enc("<|user|>What is the capital of France?</s><|assistant|>Paris.</s>"
+             "<|user|>And the quick brown fox?</s><|assistant|>")
+    c2 = enc("<think>\nA pangram.\n</think>\n\nIt jumps.</s>")
+    think = ThinkMarkers("<think>", "</think>")
+    first, second = Renderer(tok, think).render(parse_conversation(row))  # auto
+    assert (first.suffix, first.input_ids, first.loss_mask) == (
+        "", p1 + c1, [0] * len(p1) + [1] * len(c1))
+    assert (second.suffix, second.input_ids, second.loss_mask) == (
+        "#3", p2 + c2, [0] * len(p2) + [1] * len(c2))
+    (last,) = Renderer(tok, think, policy="last").render(parse_conversation(row))
+    assert last.input_ids == p2 + c2
+
+
+def test_think_markers_come_from_sglangs_reasoning_parser(sglang_available):
+    from hsdump_patch.client.conversation import ThinkMarkers
+
+    assert ThinkMarkers.from_reasoning_parser("kimi_k2") == ThinkMarkers("<think>", "</think>")
