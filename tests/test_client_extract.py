@@ -215,7 +215,7 @@ def test_bad_rows_are_skipped_or_stop_the_run_as_on_error_says(tmp_path, llama_s
     assert (rep["ok"], rep["skipped"], rep["failed"], rep["stopped"]) == (3, 2, 0, None)
     where = {i["where"]: i["reason"] for i in rep["issues"]}
     assert "not valid JSON" in where[f"{dataset}:4"]
-    assert "loss mask is all zeros" in where[f"{dataset}:5"]
+    assert "no assistant turn" in where[f"{dataset}:5"]
     assert f"skipped: {dataset}:4: not valid JSON" in capsys.readouterr().out
 
     out = tmp_path / "fail"
@@ -249,8 +249,9 @@ def test_smoke_passes_against_a_running_server(tmp_path, llama_server):
     verdict = json.loads(report.read_text())
     checks = {c["check"]: c for c in verdict["checks"]}
     assert verdict["passed"] and set(checks) == {
-        "server.json", "extraction", "records", "determinism", "dump dir clean"}
+        "server.json", "extraction", "records", "determinism", "dump dir clean", "regeneration"}
     assert verdict["report"]["max_chunks"] > 1
+    assert checks["regeneration"]["detail"].startswith("2 rows, 4 turns")
 
 
 def test_smoke_fails_when_the_dump_dir_is_not_the_servers(tmp_path, llama_server):
