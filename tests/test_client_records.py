@@ -200,3 +200,24 @@ def test_smoke_flags_records_without_what_the_format_needs(fmt):
     del rec[records.NEEDS_FINAL[fmt]]
     (problem,) = check_record(rec, fmt, info, sample)
     assert f"no {records.NEEDS_FINAL[fmt]}" in problem and "SGLANG_HS_DUMP_FINAL=1" in problem
+
+
+def test_reader_needs_only_torch_and_lists_every_finished_record(tmp_path):
+    from hsdump_patch.reader import iter_records
+
+    info = server_info()
+    with Manifest(tmp_path, Shard(0, 1)) as m:
+        for sample_id, fmt, compress in (("a", "eagle3", False), ("é/b", "eagle3", True)):
+            rec, _ = build(fmt, info)
+            name = records.record_name(sample_id, fmt, compress)
+            records.save_atomic(rec, tmp_path / name, compress)
+            m.append({"id": sample_id, "file": name})
+    got = dict(iter_records(tmp_path))
+    assert set(got) == {"a", "é/b"} and len(got["é/b"]["hidden_states"]) == 3
+    # No client extras: the reader imports with transformers, requests and safetensors absent.
+    code = ("import sys\nfor m in ('transformers', 'requests', 'safetensors', 'tqdm'):\n"
+            " sys.modules[m] = None\nfrom hsdump_patch.reader import iter_records\n"
+            "print(sorted(i for i, _ in iter_records(sys.argv[1])))")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                       text=True)
+    assert r.returncode == 0 and r.stdout.strip() == "['a', 'é/b']", r.stderr
