@@ -192,7 +192,8 @@ def test_tiny_kimi_k25_end_to_end_in_both_formats(tmp_path, kimi_server, tiny_ki
                                                   kimi_tokenizer):
     """The battery through ``hsdump extract`` against the served Kimi-K2.5 (float32): every
     record's tokens and mask equal the expectation, every layer and the final state equal
-    HF transformers' DeepSeek-V3 forward of the same language-model weights."""
+    HF transformers' float32 DeepSeek-V3 forward of the same language-model weights, rounded
+    to the records' bfloat16."""
     from transformers import AutoModelForCausalLM
 
     dataset = tmp_path / "battery.jsonl"
@@ -226,11 +227,13 @@ def test_tiny_kimi_k25_end_to_end_in_both_formats(tmp_path, kimi_server, tiny_ki
                 refs[sid] = ([h[0] for h in o.hidden_states], o.last_hidden_state[0])
             states, hf_final = refs[sid]
             order = info.layers if fmt == "eagle3" else sorted(info.layers)
-            for layer, got_layer in zip(order, layers, strict=True):
-                worst = max(worst, (got_layer.float() - states[layer]).abs().max().item())
-            worst = max(worst, (final.float() - hf_final).abs().max().item())
-    print(f"worst |record - HF fp32| = {worst:.2e}")
-    assert worst < 1e-4
+            pairs = [*zip(layers, (states[x] for x in order), strict=True), (final, hf_final)]
+            for got_state, ref in pairs:
+                # Records hold bfloat16: each value must be the fp32 reference rounded to it.
+                err = (got_state.float() - ref).abs() / (ref.abs() * 2 ** -8 + 1e-6)
+                worst = max(worst, err.max().item())
+    print(f"worst |record - HF fp32| in bf16 half-ulps = {worst:.3f}")
+    assert worst <= 1.0
 
     # Resume after a crash between the samples of one row: the missing one is extracted.
     out = tmp_path / "eagle3"
