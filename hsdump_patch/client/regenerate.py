@@ -214,15 +214,21 @@ class Regenerator:
         prompt_tokens = tokens = 0
         finish: list[str] = []
         for turn in plan.turns:
-            with self._render_lock:
-                ids = prompt_ids(self.tokenizer, messages[:turn], plan.tools)
-            out = self._generate(ids)
-            history = sum(len(m.get("tool_calls") or ()) for m in messages[:turn])
-            msg = self._message(out, plan, row_id, turn, history)
+            try:
+                with self._render_lock:
+                    ids = prompt_ids(self.tokenizer, messages[:turn], plan.tools)
+            except Exception as e:  # template errors come as jinja2 / ValueError / TypeError
+                raise RowFailed(f"message {turn}: the chat template failed: {e}") from None
+            try:
+                out = self._generate(ids)
+                history = sum(len(m.get("tool_calls") or ()) for m in messages[:turn])
+                msg = self._message(out, plan, row_id, turn, history)
+            except RowFailed as e:
+                raise RowFailed(f"message {turn}: {e}") from None
             messages[turn:turn + 1] = [msg]
             prompt_tokens += len(ids)
             tokens += len(msg["token_ids"])
-            finish.append(out["meta_info"]["finish_reason"]["type"])
+            finish.append((out["meta_info"].get("finish_reason") or {}).get("type", "unknown"))
         record = {"policy": plan.mode, "agent_trace": plan.agent, "turns": plan.turns,
                   "finish_reasons": finish, "cut": "length" in finish,
                   "sampling": self.s.sampling, "max_new_tokens": self.s.max_new_tokens}
@@ -423,8 +429,10 @@ def regenerate(args: argparse.Namespace) -> RegenReport:
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"the tokenizer of {model} has no chat template: chat rows cannot be "
                          "rendered")
+    parsers = {"reasoning_parser": args.reasoning_parser or model_info.get("reasoning_parser"),
+               "tool_call_parser": args.tool_call_parser or model_info.get("tool_call_parser")}
     # max_req_input_len: the context length less a small reserve (sglang 0.5.23 /server_info)
-    regen = Regenerator(s, client, tokenizer, model_info, server_args.get("max_req_input_len"))
+    regen = Regenerator(s, client, tokenizer, parsers, server_args.get("max_req_input_len"))
 
     shard: Shard = args.shard
     refs, bad = index_dataset(dataset)
@@ -478,6 +486,12 @@ def add_parser(subparsers: Any) -> None:
                    help="default: generation_config, else 1")
     g.add_argument("--seed", dest="sampling_seed", type=int, default=None,
                    help="sampling seed sent with each request (default: none)")
+    p.add_argument("--reasoning-parser", default=None,
+                   help="SGLang reasoning parser that splits reasoning_content off each answer, "
+                        "e.g. kimi_k2 (default: the server's --reasoning-parser; none: kept whole)")
+    p.add_argument("--tool-call-parser", default=None,
+                   help="SGLang tool-call parser that turns calls into tool_calls, for rows with "
+                        "tools, e.g. kimi_k2 (default: the server's --tool-call-parser)")
     p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
                    help="generated tokens per assistant turn, capped by the server's context "
                         f"length; rows that hit it are flagged (default {DEFAULT_MAX_NEW_TOKENS})")
