@@ -511,6 +511,7 @@ def test_fail_fast_on_a_crash_looping_server_with_a_bad_flag(ansible, docker_eng
     finally:
         _docker("rm", "-f", v["hsdump_container_name"], check=False)
     flat = " ".join(run.output.split())
+    print(f"crash loop reported after {elapsed:.0f} s")
     assert run.rc != 0 and run.recap()["cpu-host"]["failed"] == 1, run.output[-4000:]
     assert elapsed < FAIL_FAST_S, f"took {elapsed:.0f} s"
     assert "The hsdump server replica cpu-host did not start: a node failed" in flat, flat[-4000:]
@@ -551,6 +552,7 @@ def test_fail_fast_on_a_worker_node_with_logs_from_every_node(ansible, docker_en
         for name in names.values():
             _docker("rm", "-f", name, check=False)
     flat = " ".join(run.output.split())
+    print(f"worker failure reported after {elapsed:.0f} s")
     assert run.rc != 0, run.output[-4000:]
     assert {h: r["failed"] for h, r in run.recap().items()} == {"cpu-node-0": 1, "cpu-node-1": 1}
     assert elapsed < FAIL_FAST_S, f"took {elapsed:.0f} s"
