@@ -131,7 +131,8 @@ RESOLVED_REFUSALS = [
      {"disable_cuda_graph": True, "cuda_graph_config": {"prefill": {"backend": "full"}}},
      "Remove the prefill backend from --cuda-graph-config"),
     ("dwdp-turns-on-attention-dp", {"tp_size": 2, "dwdp_size": 2},
-     "DP attention is on (--dwdp-size 2 turns it on)"),
+     "DP attention is on (--dwdp-size 2 turns it on): each attention-DP group holds "
+     "different requests and rows. Remove --dwdp-size"),
     ("pdmux", {"enable_pdmux": True}, "Remove --enable-pdmux"),
     ("multi-node-dp", {"nnodes": 2, "dp_size": 2, "tp_size": 2}, "--dp-size 2 across --nnodes 2"),
 ]

@@ -68,12 +68,12 @@ def find_problems(cfg: Any) -> list[str]:
             "stages is not supported. Use --pp-size 1 (tensor parallel only)."
         )
     if (cfg.attn_dp_size or 1) > 1 or cfg.enable_dp_attention:
-        cause = (f"--dwdp-size {cfg.dwdp_size} turns it on" if (cfg.dwdp_size or 1) > 1
-                 else "--attn-dp-size / --enable-dp-attention")
+        dwdp = (cfg.dwdp_size or 1) > 1
+        cause = f" (--dwdp-size {cfg.dwdp_size} turns it on)" if dwdp else ""
+        flags = "--dwdp-size" if dwdp else "--attn-dp-size / --enable-dp-attention"
         problems.append(
-            f"DP attention is on ({cause}): each attention-DP group holds different requests "
-            "and rows. Remove --dwdp-size / --attn-dp-size / --enable-dp-attention (plain "
-            "--dp-size replicas on one node are fine)."
+            f"DP attention is on{cause}: each attention-DP group holds different requests "
+            f"and rows. Remove {flags} (plain --dp-size replicas on one node are fine)."
         )
     if cfg.enable_prefill_cp or (cfg.attn_cp_size or 1) > 1:
         problems.append(
