@@ -4,7 +4,8 @@ It extracts a built-in multi-turn prompt set (or ``--dataset``) through the real
 checks every record: keys, shapes and dtype against ``server.json``, finite values, token ids
 and loss mask equal to what was sent, a non-empty loss mask, chunk coverage (checked while
 assembling), determinism (one prompt sent twice gives bitwise-identical states) and a clean
-dump dir afterwards. One verdict line, a JSON report, exit code 0 only on PASS.
+dump dir afterwards; then a short greedy ``hsdump regenerate`` of two built-in rows. One verdict
+line, a JSON report, exit code 0 only on PASS.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import torch
 from hsdump_patch import protocol
 from hsdump_patch.client import extract as ex
 from hsdump_patch.client import records
+from hsdump_patch.client import regenerate as rg
+from hsdump_patch.client.conversation import prompt_ids
 from hsdump_patch.client.dataset import ChatRenderer, Sample, index_dataset, iter_samples
 from hsdump_patch.client.manifest import load_done
 
@@ -58,6 +61,7 @@ BUILTIN_ROWS: list[dict[str, Any]] = [
     {"id": "determinism-b", "messages": _REPEATED},
 ]
 DETERMINISM_PAIR = ("determinism-a", "determinism-b")
+REGEN_NEW_TOKENS = 8  # the short regeneration: two built-in rows, 8 tokens per turn
 
 
 def check_record(rec: dict[str, Any], fmt: str, info: protocol.ServerInfo,
@@ -131,6 +135,36 @@ def validate(out: Path, fmt: str, info: protocol.ServerInfo, samples: list[Sampl
     return checks
 
 
+def check_regeneration(args: argparse.Namespace, work: Path, tokenizer: Any
+                       ) -> tuple[str, bool, str]:
+    """A short greedy ``hsdump regenerate`` of two built-in rows (no dump: plain rids): every
+    turn regenerated, and the last turn's ids equal ``/generate``'s for the same prompt."""
+    data, out = work / "regen-in.jsonl", work / "regen.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in BUILTIN_ROWS[:2]))
+    report = rg.regenerate(rg.parse_args([
+        "--server", args.server, "--dataset", str(data), "--out", str(out), "--no-progress",
+        "--max-new-tokens", str(REGEN_NEW_TOKENS), "--temperature", "0", "--concurrency", "2",
+        "--on-error", "skip", *(["--model", args.model] if args.model else [])]))
+    problems = [f"{i.where or i.id}: {i.reason}" for i in report.issues]
+    rows = [json.loads(x) for x in out.read_text().splitlines()] if out.exists() else []
+    client = rg.RegenClient(args.server, request_timeout=args.request_timeout, retries=0,
+                            retry_wait=args.retry_wait)
+    for row in rows:
+        msgs, turns = row["messages"], row[rg.ROW_FIELD]["turns"]
+        problems += [f"{row['id']}: turn {k} has no token_ids" for k in turns
+                     if not msgs[k].get("token_ids")]
+        ids = prompt_ids(tokenizer, msgs[: turns[-1]], row.get("tools"))
+        again = client.post("/generate", {"input_ids": ids, "sampling_params": {
+            "temperature": 0, "max_new_tokens": REGEN_NEW_TOKENS}})["output_ids"]
+        if again != msgs[turns[-1]].get("token_ids"):
+            problems.append(f"{row['id']}: /generate gives other ids for the last prompt")
+    if len(rows) != 2:
+        problems.append(f"{len(rows)}/2 rows regenerated")
+    return ("regeneration", not problems, "; ".join(problems) or
+            f"{len(rows)} rows, {report.turns} turns, {report.tokens} tokens; the ids equal "
+            "/generate's for the same prompt")
+
+
 def add_parser(subparsers: Any) -> None:
     """Register ``hsdump smoke``."""
     p = subparsers.add_parser("smoke", help="extract a few prompts end to end and validate them",
@@ -170,14 +204,17 @@ def _run(args: argparse.Namespace, work: Path) -> int:
     verdict: dict[str, Any] = {"server": args.server, "dump_dir": str(args.dump_dir)}
     try:
         report = ex.extract(settings, dataset, model=args.model, max_len=args.max_len,
-                            rid_prefix=args.rid_prefix, trust_remote_code=args.trust_remote_code)
+                            rid_prefix=args.rid_prefix, trust_remote_code=args.trust_remote_code,
+                            multi_turn=args.multi_turn, reasoning_parser=args.reasoning_parser)
         info = protocol.read_server_info(args.dump_dir)
         meta = json.loads((out / records.META_FILE).read_text())
         tokenizer = ex.load_tokenizer(meta["tokenizer"], bool(meta.get("trust_remote_code")))
         refs, _ = index_dataset(dataset)
-        samples = [s for s in iter_samples(dataset, refs, ChatRenderer(tokenizer), args.max_len)
+        samples = [s for s in iter_samples(dataset, refs, ChatRenderer(
+            tokenizer, policy=args.multi_turn), args.max_len)
                    if isinstance(s, Sample)]
         checks = validate(out, args.fmt, info, samples, report, pair)
+        checks.append(check_regeneration(args, work, tokenizer))
         verdict["report"] = report.to_json()
     except (ex.ServerDown, protocol.ProtocolError, ValueError, RuntimeError, OSError) as e:
         checks = [("setup", False, str(e))]
