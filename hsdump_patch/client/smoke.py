@@ -144,7 +144,8 @@ def check_regeneration(args: argparse.Namespace, work: Path, tokenizer: Any
     report = rg.regenerate(rg.parse_args([
         "--server", args.server, "--dataset", str(data), "--out", str(out), "--no-progress",
         "--max-new-tokens", str(REGEN_NEW_TOKENS), "--temperature", "0", "--concurrency", "2",
-        "--on-error", "skip", *(["--model", args.model] if args.model else [])]))
+        "--on-error", "skip", *(["--model", args.model] if args.model else []),
+        *(["--trust-remote-code"] if args.trust_remote_code else [])]))
     problems = [f"{i.where or i.id}: {i.reason}" for i in report.issues]
     rows = [json.loads(x) for x in out.read_text().splitlines()] if out.exists() else []
     client = rg.RegenClient(args.server, request_timeout=args.request_timeout, retries=0,
