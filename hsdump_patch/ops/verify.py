@@ -108,9 +108,15 @@ class Settings:
     extra_args: list[str] = field(default_factory=list)
 
     @property
-    def sglang_extra(self) -> list[str]:
+    def production_extra(self) -> list[str]:
+        """SGLang arguments of production (plus the CPU variant's), for the refusal checks."""
         cpu = [*CPU_SERVER_ARGS, "--chunked-prefill-size", str(CPU_CHUNK)]
-        return [*(cpu if self.device == "cpu" else []), *AUX_ARGS, *self.extra_args]
+        return [*(cpu if self.device == "cpu" else []), *self.extra_args]
+
+    @property
+    def sglang_extra(self) -> list[str]:
+        """What the verify servers run with: production plus SGLang's own aux capture."""
+        return [*self.production_extra, *AUX_ARGS]
 
 
 def prompt(seed: int, length: int) -> list[int]:
@@ -494,7 +500,7 @@ def check_refusals(settings: Settings, model: Path) -> list[Verdict]:
     from hsdump_patch.ops.verify_server import free_port, plan_launch
 
     launch = plan_launch(model, 1, free_port(), settings.work / "dump-refused",
-                         device=settings.device, extra=settings.sglang_extra)
+                         device=settings.device, extra=settings.production_extra)
     base = launch.argv[launch.argv.index("sglang.launch_server") + 1:]
     env_dir = os.environ.pop(ENV_DIR, None)  # resolve in-process without the plugin's hooks
     rows, verdicts = [], []
@@ -525,7 +531,7 @@ def check_refusals(settings: Settings, model: Path) -> list[Verdict]:
     for name, flags, needle in real:
         say(settings, f"launching a server that must refuse: {name}")
         rc, log = run_refused(model, settings.work, name.split()[0], flags,
-                              device=settings.device, extra=settings.sglang_extra, env={},
+                              device=settings.device, extra=settings.production_extra, env={},
                               timeout=settings.server_timeout)
         ok = rc not in (None, 0) and "hsdump" in log and needle in log
         verdicts.append(Verdict(
