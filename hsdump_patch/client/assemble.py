@@ -8,14 +8,20 @@ silently wrong record.
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import shutil
+import struct
 import time
+from contextlib import nullcontext
 from pathlib import Path
+from typing import Any
 
-from safetensors import safe_open
+import torch
 
 from hsdump_patch import protocol
+from hsdump_patch.client.buffers import BufferPool, tensor_at
 from hsdump_patch.client.records import RecordBuilder, torch_dtype
 
 
@@ -51,9 +57,50 @@ def wait_until_settled(dump_dir: Path, rid: str, quiet: float, timeout: float) -
         time.sleep(min(0.2, quiet - age))
 
 
+_TORCH_DTYPES = {st: name for name, st in protocol.SAFETENSORS_DTYPES.items()}
+
+
+def _tensor(buf: memoryview | bytearray, size: int, base: int, header: dict[str, Any], key: str,
+            path: Path) -> torch.Tensor:
+    """Tensor ``key`` of a safetensors file read into ``buf[:size]`` (a view, no copy)."""
+    try:
+        entry = header[key]
+        dtype = getattr(torch, _TORCH_DTYPES[entry["dtype"]])
+        shape = tuple(int(d) for d in entry["shape"])
+        begin, end = (base + int(o) for o in entry["data_offsets"])
+    except (KeyError, TypeError, ValueError):
+        raise protocol.ProtocolError(f"{path}: no valid tensor {key!r} in its header") from None
+    if not base <= begin <= end <= size or end - begin != math.prod(shape) * dtype.itemsize:
+        raise protocol.ProtocolError(f"{path}: tensor {key!r} lies outside the file "
+                                     "(a truncated or corrupt chunk)")
+    return tensor_at(buf, begin, dtype, shape)
+
+
+def _read_chunk(path: Path, buf: memoryview | bytearray,
+                size: int) -> tuple[dict[str, str], torch.Tensor, torch.Tensor]:
+    """Read a chunk file (``size`` bytes) into ``buf``; return its metadata and views of its
+    hidden states and token ids. The safetensors layout: 8-byte header length, JSON header,
+    data."""
+    with open(path, "rb", buffering=0) as f:
+        got = f.readinto(memoryview(buf)[:size])
+    try:
+        if got != size or size < 8:
+            raise ValueError("short read")
+        (n,) = struct.unpack_from("<Q", buf)
+        header = json.loads(bytes(memoryview(buf)[8 : 8 + n]))
+        meta = header.get("__metadata__") or {}
+    except (ValueError, AttributeError, struct.error):
+        raise protocol.ProtocolError(f"{path}: not a complete safetensors file") from None
+    return (meta, _tensor(buf, size, 8 + n, header, protocol.HIDDEN_KEY, path),
+            _tensor(buf, size, 8 + n, header, protocol.INPUT_IDS_KEY, path))
+
+
 def read_request(dump_dir: Path, rid: str, input_ids: list[int], info: protocol.ServerInfo,
-                 builder: RecordBuilder) -> int:
-    """Copy a finished request's chunks into ``builder``; return the number of chunks."""
+                 builder: RecordBuilder, pool: BufferPool | None = None) -> int:
+    """Copy a finished request's chunks into ``builder``; return the number of chunks.
+
+    Each chunk file is read into a buffer of ``pool`` (or a fresh one) and copied from there.
+    """
     chunks = protocol.list_chunks(dump_dir, rid)
     if not chunks:
         raise protocol.ProtocolError(f"request {rid} is marked done but has no chunk files")
@@ -61,31 +108,32 @@ def read_request(dump_dir: Path, rid: str, input_ids: list[int], info: protocol.
     dtype = torch_dtype(info.dtype)
     sizes = []
     for prefix_len, path in chunks:
-        with safe_open(path, framework="pt") as f:
-            meta = protocol.ChunkMeta.from_strings(f.metadata() or {})
-            hidden = f.get_tensor(protocol.HIDDEN_KEY)
-            ids = f.get_tensor(protocol.INPUT_IDS_KEY)
-        if meta.rid != rid or meta.prefix_len != prefix_len:
-            raise protocol.ProtocolError(
-                f"{path} belongs to rid {meta.rid!r} at {meta.prefix_len}, expected {rid!r} at "
-                f"{prefix_len}")
-        if meta.layers != info.layers or meta.has_final != info.has_final:
-            raise protocol.ProtocolError(
-                f"{path} has layers {list(meta.layers)} (final: {meta.has_final}) but server.json "
-                f"announces {list(info.layers)} (final: {info.has_final}): the server was "
-                "restarted with another configuration during the run")
-        n = ids.shape[0]
-        if hidden.shape != (n, slots, info.hidden_size) or hidden.dtype != dtype:
-            raise protocol.ProtocolError(
-                f"{path}: hidden_states is {tuple(hidden.shape)} {hidden.dtype}, expected "
-                f"({n}, {slots}, {info.hidden_size}) {dtype}")
-        sent = input_ids[prefix_len : prefix_len + n]
-        if ids.tolist() != sent:
-            raise protocol.ProtocolError(
-                f"{path}: its token ids differ from the ids sent for positions "
-                f"{prefix_len}..{prefix_len + n} (a mixed-up or stale dump)")
-        sizes.append((prefix_len, n))
-        builder.put(prefix_len, hidden)
+        size = path.stat().st_size
+        with pool.lend(size) if pool else nullcontext(bytearray(size)) as buf:
+            raw_meta, hidden, ids = _read_chunk(path, buf, size)
+            meta = protocol.ChunkMeta.from_strings(raw_meta)
+            if meta.rid != rid or meta.prefix_len != prefix_len:
+                raise protocol.ProtocolError(
+                    f"{path} belongs to rid {meta.rid!r} at {meta.prefix_len}, expected {rid!r} "
+                    f"at {prefix_len}")
+            if meta.layers != info.layers or meta.has_final != info.has_final:
+                raise protocol.ProtocolError(
+                    f"{path} has layers {list(meta.layers)} (final: {meta.has_final}) but "
+                    f"server.json announces {list(info.layers)} (final: {info.has_final}): the "
+                    "server was restarted with another configuration during the run")
+            n = ids.shape[0]
+            if hidden.shape != (n, slots, info.hidden_size) or hidden.dtype != dtype:
+                raise protocol.ProtocolError(
+                    f"{path}: hidden_states is {tuple(hidden.shape)} {hidden.dtype}, expected "
+                    f"({n}, {slots}, {info.hidden_size}) {dtype}")
+            sent = input_ids[prefix_len : prefix_len + n]
+            if ids.tolist() != sent:
+                raise protocol.ProtocolError(
+                    f"{path}: its token ids differ from the ids sent for positions "
+                    f"{prefix_len}..{prefix_len + n} (a mixed-up or stale dump)")
+            sizes.append((prefix_len, n))
+            builder.put(prefix_len, hidden)
+            del hidden, ids
     protocol.check_coverage(sizes, len(input_ids))
     return len(chunks)
 

@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from hsdump_patch import protocol
 from hsdump_patch.capture.config import DEFAULT_RID_PREFIX, ENV_DIR, ConfigError, parse_size
-from hsdump_patch.client import assemble, records
+from hsdump_patch.client import assemble, buffers, records
 from hsdump_patch.client.conversation import POLICIES, ChatRenderer, chat_renderer
 from hsdump_patch.client.dataset import (
     RowRef,
@@ -189,6 +189,10 @@ class Extraction:
         self.s = settings
         self.info = info
         self.client = client
+        # Reused read and assembly buffers (fresh ones page-fault on first touch), bounded by
+        # the in-flight budget.
+        self._chunk_bufs = buffers.BufferPool(settings.max_inflight_bytes)
+        self._record_bufs = buffers.BufferPool(settings.max_inflight_bytes)
 
     def rid(self, sample_id: str) -> str:
         return self.info.rid_prefix + sample_id
@@ -259,20 +263,24 @@ class Extraction:
     def write_record(self, sample: Sample) -> Done:
         """Assemble a finished request's chunks into its record, write it, free the dump."""
         rid, dump = self.rid(sample.id), self.s.dump_dir
-        try:
-            builder = records.RecordBuilder(self.s.fmt, len(sample.input_ids), self.info)
-            chunks = assemble.read_request(dump, rid, sample.input_ids, self.info, builder)
-        except protocol.ProtocolError as e:
-            raise SampleFailed(f"invalid dump: {e}") from None
-        assemble.remove_request(dump, rid)
-        name = records.record_name(sample.id, self.s.fmt, self.s.compress)
-        try:
-            size = records.save_atomic(builder.record(sample.input_ids, sample.loss_mask),
-                                       self.s.out / name, self.s.compress)
-        except OSError as e:
-            if e.errno in _FATAL_ERRNOS:
-                raise
-            raise SampleFailed(f"could not write its record {self.s.out / name}: {e}") from None
+        length = len(sample.input_ids)
+        with self._record_bufs.lend(records.RecordBuilder.nbytes(length, self.info)) as buf:
+            try:
+                builder = records.RecordBuilder(self.s.fmt, length, self.info, buf)
+                chunks = assemble.read_request(dump, rid, sample.input_ids, self.info, builder,
+                                               self._chunk_bufs)
+            except protocol.ProtocolError as e:
+                raise SampleFailed(f"invalid dump: {e}") from None
+            assemble.remove_request(dump, rid)
+            name = records.record_name(sample.id, self.s.fmt, self.s.compress)
+            try:
+                size = records.save_atomic(builder.record(sample.input_ids, sample.loss_mask),
+                                           self.s.out / name, self.s.compress)
+            except OSError as e:
+                if e.errno in _FATAL_ERRNOS:
+                    raise
+                raise SampleFailed(f"could not write its record {self.s.out / name}: {e}") from None
+            del builder
         return Done(sample, name, size, chunks)
 
     # -------------------------------------------------------------------------- the run

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from hsdump_patch import __version__, protocol
+from hsdump_patch.client.buffers import tensor_at
 from hsdump_patch.reader import load_record
 
 __all__ = ["load_record"]
@@ -113,20 +114,39 @@ def check_format(fmt: str, info: protocol.ServerInfo, allow_no_final: bool = Fal
 class RecordBuilder:
     """Collects a request's chunks straight into the output format's tensors (one copy)."""
 
-    def __init__(self, fmt: str, length: int, info: protocol.ServerInfo) -> None:
+    def __init__(self, fmt: str, length: int, info: protocol.ServerInfo,
+                 buf: memoryview | None = None) -> None:
+        """Tensors for ``length`` tokens, in ``buf`` (at least :meth:`nbytes` long; the record
+        must be written before it is reused) or freshly allocated."""
         if fmt not in FORMATS:
             raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
         self.fmt = fmt
         self.k = len(info.layers)
         dtype, h = torch_dtype(info.dtype), info.hidden_size
+        offset = 0
+
+        def empty(*shape: int) -> torch.Tensor:
+            nonlocal offset
+            if buf is None:
+                return torch.empty(shape, dtype=dtype)
+            t = tensor_at(buf, offset, dtype, shape)
+            offset += t.nbytes
+            return t
+
         if fmt == "eagle3":
-            self.layers = [torch.empty(length, h, dtype=dtype) for _ in range(self.k)]
+            self.layers = [empty(length, h) for _ in range(self.k)]
         else:
-            self.aux = torch.empty(length, self.k, h, dtype=dtype)
+            self.aux = empty(length, self.k, h)
             # SGLang's EAGLE-3 serving concatenates the aux layers in ascending layer order.
             order = sorted(range(self.k), key=lambda s: info.layers[s])
             self.order = None if order == list(range(self.k)) else order
-        self.final = torch.empty(length, h, dtype=dtype) if info.has_final else None
+        self.final = empty(length, h) if info.has_final else None
+
+    @staticmethod
+    def nbytes(length: int, info: protocol.ServerInfo) -> int:
+        """Bytes of a record's hidden states (the buffer a builder needs)."""
+        slots = len(info.layers) + int(info.has_final)
+        return length * slots * info.hidden_size * torch_dtype(info.dtype).itemsize
 
     def put(self, start: int, hidden: torch.Tensor) -> None:
         """Copy one chunk's ``hidden_states`` [n, S, H] to positions ``start .. start+n``."""

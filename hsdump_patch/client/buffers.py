@@ -1,0 +1,71 @@
+"""Reusable byte buffers for reading chunks and assembling records.
+
+A fresh multi-hundred-MB allocation page-faults on first touch (slow on VMs and gVisor hosts
+whose memory is mapped lazily); the client reads and assembles every record into buffers it
+reuses, so after the first few records no byte is touched for the first time. Memory stays
+bounded: a buffer is lent to one user at a time, a miss discards a free buffer before
+allocating, and the free and lent buffers together stay under ``limit_bytes`` once more than
+one is held.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+_ROUND = 1 << 24  # allocate in 16 MiB steps, so records of similar sizes share buffers
+
+
+class BufferPool:
+    """Lends byte buffers of at least a requested size (see the module docstring): memoryviews
+    of 64-byte aligned torch allocations."""
+
+    def __init__(self, limit_bytes: int) -> None:
+        self.limit = limit_bytes
+        self._free: list[memoryview] = []
+        self._held = 0  # bytes of every buffer, free or lent
+        self._lock = threading.Lock()
+
+    def _take(self, nbytes: int) -> memoryview:
+        with self._lock:
+            fits = [b for b in self._free if len(b) >= nbytes]
+            if fits:
+                buf = min(fits, key=len)
+                self._free.remove(buf)
+                return buf
+            if self._free:  # every free one is too small: give one back instead of adding one
+                self._held -= len(self._free.pop())
+            size = -(-nbytes // _ROUND) * _ROUND
+            while self._free and self._held + size > self.limit:
+                self._held -= len(self._free.pop(0))
+            self._held += size
+        return memoryview(torch.empty(size, dtype=torch.uint8).numpy())
+
+    def _give(self, buf: memoryview) -> None:
+        with self._lock:
+            self._free.append(buf)
+
+    @contextmanager
+    def lend(self, nbytes: int) -> Iterator[memoryview]:
+        """A buffer of at least ``nbytes`` for the ``with`` block; views of it must not outlive
+        the block."""
+        buf = self._take(nbytes)
+        try:
+            yield buf
+        finally:
+            self._give(buf)
+
+
+def tensor_at(buf: memoryview | bytearray, offset: int, dtype: torch.dtype,
+              shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor of ``shape`` over ``buf[offset:]`` with its own exact-size storage (so
+    ``torch.save`` writes just these bytes, as for a freshly allocated tensor)."""
+    count = 1
+    for d in shape:
+        count *= d
+    if count == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(buf, dtype=dtype, count=count, offset=offset).view(shape)
