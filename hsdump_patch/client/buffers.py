@@ -4,8 +4,8 @@ A fresh multi-hundred-MB allocation page-faults on first touch (slow on VMs and 
 whose memory is mapped lazily); the client reads and assembles every record into buffers it
 reuses, so after the first few records no byte is touched for the first time. Memory stays
 bounded: a buffer is lent to one user at a time, a miss discards a free buffer before
-allocating, and the free and lent buffers together stay under ``limit_bytes`` once more than
-one is held.
+allocating, and a buffer is kept for reuse only while all buffers together stay within
+``limit_bytes``.
 """
 
 from __future__ import annotations
@@ -46,7 +46,10 @@ class BufferPool:
 
     def _give(self, buf: memoryview) -> None:
         with self._lock:
-            self._free.append(buf)
+            if self._held > self.limit:  # more was lent at once than the limit: shrink back
+                self._held -= len(buf)
+            else:
+                self._free.append(buf)
 
     @contextmanager
     def lend(self, nbytes: int) -> Iterator[memoryview]:
