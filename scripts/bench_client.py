@@ -7,7 +7,8 @@ the dump dir, at Kimi-K2.5 shapes by default (hidden 7168, 3 aux layers + the fi
 bf16, prompts of 2k-16k tokens in prefill chunks of 8k), then runs the client's own
 ``Extraction.write_record`` (read + cross-check the chunks, assemble the record, write it with
 fsync + rename, free the dump) on ``--concurrency`` threads, as ``hsdump extract`` does once a
-request is done. In the same run it measures the raw limits on the same bytes:
+request is done; by default after an untimed warm-up pass over the same records, so the timed
+pass is a long run's steady state. In the same run it measures the raw limits on the same bytes:
 
 * dump-dir read: the chunk files read by ``--concurrency`` threads;
 * output-disk write: files of the records' sizes written by ``--concurrency`` threads, each
