@@ -20,8 +20,18 @@ $(STAMP): pyproject.toml requirements-test.txt
 
 venv: $(STAMP) ## Create .venv with SGLang 0.5.23, hsdump (editable) and the test tools
 
-test: $(STAMP) ## Run the whole test suite (real CPU SGLang servers; sets itself up)
-	$(PY) -m pytest -ra $(PYTEST_ARGS)
+# SpecForge's own loading code, for the test that feeds it our records. Its wheel pins another
+# SGLang and torch, so only its files are installed (no dependencies), beside the venv's own.
+SPECFORGE_VERSION := 0.2.0
+SPECFORGE_DIR := $(VENV)/specforge-$(SPECFORGE_VERSION)
+
+$(SPECFORGE_DIR): $(STAMP)
+	rm -rf $@.tmp
+	$(PY) -m pip install -q --no-deps --target $@.tmp specforge==$(SPECFORGE_VERSION)
+	mv $@.tmp $@
+
+test: $(STAMP) $(SPECFORGE_DIR) ## Run the whole test suite (real CPU SGLang servers; sets itself up)
+	HSDUMP_SPECFORGE_PATH=$(abspath $(SPECFORGE_DIR)) $(PY) -m pytest -ra $(PYTEST_ARGS)
 
 lint: $(STAMP) ## ruff over the package, tests and scripts
 	$(VENV)/bin/ruff check hsdump_patch tests scripts

@@ -1,16 +1,20 @@
 """``--format specforge`` output loaded through SpecForge's own offline loading path.
 
 The records of real CPU SGLang servers (tiny Llama; tiny DeepSeek-V3 with drafter-config layers,
-gzipped) are listed, read, processed per sample and collated by verbatim copies of SpecForge's
-code (tests/specforge_ref, commit named there); the collated batch is compared with an
-independent HF transformers forward of the same tokens.
+gzipped) are listed, read, processed per sample and collated by SpecForge's own code: its PyPI
+release (``specforge==0.2.0``, installed by ``make test`` without its dependencies, which pin
+another SGLang and torch). The collated batch is compared with an independent HF transformers
+forward of the same tokens.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,8 +22,8 @@ import torch
 from hsdump_patch import protocol
 from hsdump_patch.client import records
 from hsdump_patch.reader import iter_records, manifest_entries
+from tests.conftest import require
 from tests.harness.reference import hf_hidden_states
-from tests.specforge_ref import specforge_offline as sf
 from tests.test_client_dataset import write_jsonl
 from tests.test_client_extract import REL_TOL, REPO, extract, pre_tokenized, read_report, rel_err
 
@@ -27,9 +31,30 @@ pytestmark = pytest.mark.server
 MAX_LEN = 2048  # SpecForge's default data.max_length
 
 
+@pytest.fixture(scope="module")
+def sf() -> SimpleNamespace:
+    """SpecForge's offline loading path: the trainer's listing, its file loader, the EAGLE-3
+    per-sample processing and collator, and the older ``OfflineEagle3Dataset`` path."""
+    path = os.environ.get("HSDUMP_SPECFORGE_PATH", "")
+    require(bool(path) and Path(path, "specforge").is_dir(),
+            "SpecForge's code at $HSDUMP_SPECFORGE_PATH (make test installs it)")
+    sys.path.insert(0, path)
+    from specforge.algorithms.eagle3.data import normalize_offline_sample
+    from specforge.data.preprocessing import OfflineEagle3Dataset, list_local_files
+    from specforge.data.utils import DataCollatorWithPadding
+    from specforge.runtime.data_plane.feature_store import load_feature_file
+    from specforge.runtime.data_plane.offline_reader import list_feature_files
+
+    return SimpleNamespace(
+        list_feature_files=list_feature_files, list_local_files=list_local_files,
+        load_feature_file=load_feature_file, normalize_offline_sample=normalize_offline_sample,
+        process_data=OfflineEagle3Dataset.process_data,
+        DataCollatorWithPadding=DataCollatorWithPadding)
+
+
 @pytest.mark.parametrize(("server_name", "compress"), [("llama_server", False),
                                                        ("deepseek_server", True)])
-def test_specforge_loads_our_records_and_its_batch_equals_hf(tmp_path, request, server_name,
+def test_specforge_loads_our_records_and_its_batch_equals_hf(tmp_path, request, sf, server_name,
                                                             compress):
     server = request.getfixturevalue(server_name)
     rows = pre_tokenized(4, seed=11, lo=20, hi=90, prefix="sf")  # several prefill chunks each
