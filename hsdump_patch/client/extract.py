@@ -38,7 +38,7 @@ from hsdump_patch.client.dataset import (
     iter_samples,
 )
 from hsdump_patch.client.manifest import Manifest, load_done, remove_stale_temps
-from hsdump_patch.client.report import Report, SampleIssue, print_summary
+from hsdump_patch.client.report import ErrorPolicy, Report, print_summary
 
 DEFAULT_SERVER = "http://127.0.0.1:30000"
 DEFAULT_DUMP_DIR = "/dev/shm/sglang_hs"
@@ -292,26 +292,16 @@ class Extraction:
         t0 = time.monotonic()
         pending: dict[cf.Future[Done], Sample] = {}
         inflight = 0
-        consecutive = 0
         bar = tqdm(total=total, unit="sample", disable=not s.progress, dynamic_ncols=True,
                    file=sys.stderr)
+        policy = ErrorPolicy(report, s.on_error, s.max_consecutive_errors, "samples", bar)
+        issue = policy.issue
 
         def est(sample: Sample) -> int:
             return len(sample.input_ids) * self.info.bytes_per_token
 
-        def issue(kind: str, sample_id: str | None, where: str | None, reason: str) -> None:
-            nonlocal consecutive
-            report.add_issue(SampleIssue(kind, sample_id, where, reason))
-            bar.update(1)
-            if s.on_error == "fail":
-                report.stop(f"{where or sample_id}: {reason} (--on-error fail)")
-            consecutive += kind == "failed"
-            if consecutive >= s.max_consecutive_errors:
-                report.stop(f"{consecutive} samples in a row failed (--max-consecutive-errors); "
-                            f"last: {reason}")
-
         def collect(block: bool) -> None:
-            nonlocal inflight, consecutive
+            nonlocal inflight
             if not pending:
                 return
             done, _ = cf.wait(pending, timeout=None if block else 0,
@@ -336,7 +326,7 @@ class Extraction:
                 except Exception as e:  # anything else is local to this sample: list it
                     issue("failed", sample.id, sample.where, f"{type(e).__name__}: {e}")
                     continue
-                consecutive = 0
+                policy.ok()
                 manifest.append({"id": sample.id, "file": res.file,
                                  "tokens": len(sample.input_ids), "bytes": res.size,
                                  "digest": sample.digest})

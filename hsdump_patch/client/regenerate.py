@@ -21,7 +21,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,13 +33,7 @@ from hsdump_patch.client import extract as ex
 from hsdump_patch.client.conversation import prompt_ids
 from hsdump_patch.client.dataset import SampleError, Shard, _parse_line, index_dataset
 from hsdump_patch.client.regen_plan import AGENT_POLICIES, DEFAULT_AGENT_POLICY, Plan, plan_row
-from hsdump_patch.client.report import (
-    EXIT_OK,
-    EXIT_STOPPED,
-    EXIT_WITH_ISSUES,
-    SampleIssue,
-    format_table,
-)
+from hsdump_patch.client.report import EXIT_STOPPED, ErrorPolicy, RunReport, format_table
 from hsdump_patch.client.rowlog import RowLog
 
 DEFAULT_MAX_NEW_TOKENS = 4096
@@ -245,7 +239,7 @@ class Regenerator:
 
 
 @dataclass
-class RegenReport:
+class RegenReport(RunReport):
     """What one run did; ``to_json`` is the JSON report."""
 
     shard: str
@@ -256,17 +250,12 @@ class RegenReport:
     max_new_tokens: int
     agent_policy: str
     rows: int = 0
-    already_done: int = 0
     turns: int = 0
     prompt_tokens: int = 0
-    tokens: int = 0
-    wall_s: float = 0.0
     finish_reasons: dict[str, int] = field(default_factory=dict)
     cut_rows: list[str] = field(default_factory=list)
     agent_rows_last_turn: int = 0
     rows_in_output: int = 0
-    stopped: str | None = None
-    issues: list[SampleIssue] = field(default_factory=list)
 
     def add_ok(self, row_id: str, res: RowResult) -> None:
         self.rows += 1
@@ -278,27 +267,6 @@ class RegenReport:
         if "length" in res.finish:
             self.cut_rows.append(row_id)
         self.agent_rows_last_turn += res.row[ROW_FIELD]["policy"] == "last-turn"
-
-    def stop(self, reason: str) -> None:
-        self.stopped = self.stopped or reason
-
-    def count(self, kind: str) -> int:
-        return sum(i.kind == kind for i in self.issues)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.wall_s if self.wall_s > 0 else 0.0
-
-    def exit_code(self) -> int:
-        if self.stopped:
-            return EXIT_STOPPED
-        return EXIT_WITH_ISSUES if self.issues else EXIT_OK
-
-    def to_json(self) -> dict[str, Any]:
-        out = asdict(self)
-        out.update(failed=self.count("failed"), skipped=self.count("skipped"),
-                   tokens_per_s=round(self.tokens_per_s, 1), wall_s=round(self.wall_s, 3))
-        return out
 
 
 def print_summary(report: RegenReport, report_path: Path) -> None:
@@ -358,23 +326,12 @@ def run(s: Settings, regen: Regenerator, items: Iterator[Any], total: int, log: 
     """Regenerate ``items`` with bounded concurrency, appending finished rows to ``log``."""
     t0 = time.monotonic()
     pending: dict[cf.Future[RowResult], tuple[str, str]] = {}
-    consecutive = 0
     bar = tqdm(total=total, unit="row", disable=not s.progress, dynamic_ncols=True,
                file=sys.stderr)
-
-    def issue(kind: str, row_id: str | None, where: str | None, reason: str) -> None:
-        nonlocal consecutive
-        report.issues.append(SampleIssue(kind, row_id, where, reason))
-        bar.update(1)
-        if s.on_error == "fail":
-            report.stop(f"{where or row_id}: {reason} (--on-error fail)")
-        consecutive += kind == "failed"
-        if consecutive >= s.max_consecutive_errors:
-            report.stop(f"{consecutive} rows in a row failed (--max-consecutive-errors); last: "
-                        f"{reason}")
+    policy = ErrorPolicy(report, s.on_error, s.max_consecutive_errors, "rows", bar)
+    issue = policy.issue
 
     def collect(block: bool) -> None:
-        nonlocal consecutive
         done, _ = cf.wait(pending, timeout=None if block else 0, return_when=cf.FIRST_COMPLETED)
         for fut in done:
             row_id, where = pending.pop(fut)
@@ -388,7 +345,7 @@ def run(s: Settings, regen: Regenerator, items: Iterator[Any], total: int, log: 
                             else f"{where}: {type(e).__name__}: {e}")
                 issue("failed", row_id, where, f"{type(e).__name__}: {e}")
                 continue
-            consecutive = 0
+            policy.ok()
             log.append(res.row)
             report.add_ok(row_id, res)
             bar.update(1)

@@ -21,30 +21,15 @@ class SampleIssue:
     reason: str
 
 
-@dataclass
-class Report:
-    """What one run did; ``to_json`` is what is written next to the records."""
+@dataclass(kw_only=True)
+class RunReport:
+    """What every run's report holds: token and time counts, the stop reason and the issues."""
 
-    shard: str
-    fmt: str
-    out: str
-    dataset: str
-    server: str
-    ok: int = 0
     already_done: int = 0
     tokens: int = 0
-    bytes: int = 0
-    max_chunks: int = 0
     wall_s: float = 0.0
-    leftover_dump_dirs: int = 0
     stopped: str | None = None
     issues: list[SampleIssue] = field(default_factory=list)
-
-    def add_ok(self, tokens: int, size: int, chunks: int) -> None:
-        self.ok += 1
-        self.tokens += tokens
-        self.bytes += size
-        self.max_chunks = max(self.max_chunks, chunks)
 
     def add_issue(self, issue: SampleIssue) -> None:
         self.issues.append(issue)
@@ -70,6 +55,55 @@ class Report:
         out.update(failed=self.count("failed"), skipped=self.count("skipped"),
                    tokens_per_s=round(self.tokens_per_s, 1), wall_s=round(self.wall_s, 3))
         return out
+
+
+class ErrorPolicy:
+    """``--on-error`` and ``--max-consecutive-errors``: list each issue, stop when told to."""
+
+    def __init__(self, report: RunReport, on_error: str, max_consecutive: int, noun: str,
+                 progress: Any) -> None:
+        self.report = report
+        self.on_error = on_error
+        self.max_consecutive = max_consecutive
+        self.noun = noun  # "samples" / "rows", for the stop message
+        self.progress = progress  # a tqdm bar: every issue counts as a processed item
+        self.consecutive = 0
+
+    def issue(self, kind: str, item_id: str | None, where: str | None, reason: str) -> None:
+        """Record a skipped (bad input) or failed item."""
+        self.report.add_issue(SampleIssue(kind, item_id, where, reason))
+        self.progress.update(1)
+        if self.on_error == "fail":
+            self.report.stop(f"{where or item_id}: {reason} (--on-error fail)")
+        self.consecutive += kind == "failed"
+        if self.consecutive >= self.max_consecutive:
+            self.report.stop(f"{self.consecutive} {self.noun} in a row failed "
+                             f"(--max-consecutive-errors); last: {reason}")
+
+    def ok(self) -> None:
+        """An item succeeded: the consecutive-failure count starts again."""
+        self.consecutive = 0
+
+
+@dataclass
+class Report(RunReport):
+    """What one extraction did; ``to_json`` is what is written next to the records."""
+
+    shard: str
+    fmt: str
+    out: str
+    dataset: str
+    server: str
+    ok: int = 0
+    bytes: int = 0
+    max_chunks: int = 0
+    leftover_dump_dirs: int = 0
+
+    def add_ok(self, tokens: int, size: int, chunks: int) -> None:
+        self.ok += 1
+        self.tokens += tokens
+        self.bytes += size
+        self.max_chunks = max(self.max_chunks, chunks)
 
 
 def format_table(rows: list[tuple[str, str]]) -> str:
