@@ -33,7 +33,13 @@ from hsdump_patch.client import extract as ex
 from hsdump_patch.client.conversation import prompt_ids
 from hsdump_patch.client.dataset import SampleError, Shard, _parse_line, index_dataset
 from hsdump_patch.client.regen_plan import AGENT_POLICIES, DEFAULT_AGENT_POLICY, Plan, plan_row
-from hsdump_patch.client.report import EXIT_STOPPED, ErrorPolicy, RunReport, format_table
+from hsdump_patch.client.report import (
+    EXIT_STOPPED,
+    ErrorPolicy,
+    RunReport,
+    format_table,
+    print_issues,
+)
 from hsdump_patch.client.rowlog import RowLog
 
 DEFAULT_MAX_NEW_TOKENS = 4096
@@ -290,10 +296,7 @@ def print_summary(report: RegenReport, report_path: Path) -> None:
     ]
     print(f"hsdump regenerate: shard {report.shard}, sampling {json.dumps(report.sampling)}")
     print(format_table(rows))
-    for issue in report.issues[:20]:
-        print(f"  {issue.kind}: {issue.where or issue.id}: {issue.reason}")
-    if len(report.issues) > 20:
-        print(f"  ... {len(report.issues) - 20} more in the report")
+    print_issues(report)
     if report.cut_rows:
         shown = ", ".join(report.cut_rows[:10])
         print(f"  cut at --max-new-tokens: {shown}{' ...' if len(report.cut_rows) > 10 else ''}")

@@ -106,6 +106,14 @@ class Report(RunReport):
         self.max_chunks = max(self.max_chunks, chunks)
 
 
+def print_issues(report: RunReport, shown: int = 20) -> None:
+    """Print the first ``shown`` issues, one line each, and how many more the report holds."""
+    for issue in report.issues[:shown]:
+        print(f"  {issue.kind}: {issue.where or issue.id}: {issue.reason}")
+    if len(report.issues) > shown:
+        print(f"  ... {len(report.issues) - shown} more in the report")
+
+
 def format_table(rows: list[tuple[str, str]]) -> str:
     """Two aligned columns."""
     width = max(len(k) for k, _ in rows)
@@ -126,10 +134,7 @@ def print_summary(report: Report, report_path: Path) -> None:
     ]
     print(f"hsdump extract: shard {report.shard}, format {report.fmt} -> {report.out}")
     print(format_table(rows))
-    for issue in report.issues[:20]:
-        print(f"  {issue.kind}: {issue.where or issue.id}: {issue.reason}")
-    if len(report.issues) > 20:
-        print(f"  ... {len(report.issues) - 20} more in the report")
+    print_issues(report)
     if report.leftover_dump_dirs:
         print(f"  warning: {report.leftover_dump_dirs} unfinished request dir(s) of this dataset "
               "remain in the dump dir (requests still running on the server?)")
