@@ -8,12 +8,12 @@ atomically): every sample ends up written exactly once, and no partial file surv
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 from pathlib import Path
 from typing import Any
 
+from hsdump_patch.client.applog import exclusive_lock, truncate_torn_line
 from hsdump_patch.client.dataset import Shard
 from hsdump_patch.reader import manifest_entries
 
@@ -32,26 +32,11 @@ class Manifest:
 
     def __init__(self, out_dir: Path, shard: Shard) -> None:
         self.path = manifest_path(out_dir, shard)
-        lock_path = out_dir / f".lock.{shard.tag}"
-        self._lock = open(lock_path, "a")  # noqa: SIM115 - held until close()
-        try:
-            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._lock.close()
-            raise RuntimeError(
-                f"another hsdump process is already extracting shard {shard} into {out_dir} "
-                f"(it holds {lock_path}); wait for it or stop it") from None
-        self._truncate_partial_line()
+        self._lock = exclusive_lock(
+            out_dir / f".lock.{shard.tag}",
+            f"another hsdump process is already extracting shard {shard} into {out_dir}")
+        truncate_torn_line(self.path)
         self._f = open(self.path, "a")  # noqa: SIM115 - closed in close()
-
-    def _truncate_partial_line(self) -> None:
-        try:
-            data = self.path.read_bytes()
-        except FileNotFoundError:
-            return
-        if data and not data.endswith(b"\n"):
-            with open(self.path, "r+b") as f:
-                f.truncate(data.rfind(b"\n") + 1)
 
     def append(self, entry: dict[str, Any]) -> None:
         """Record one finished sample (flushed to the OS at once, so kill -9 keeps it)."""

@@ -10,17 +10,17 @@ A lock file refuses a second process on the same ``OUT``.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from hsdump_patch.client.applog import exclusive_lock, truncate_torn_line
 
-def _scan(path: Path, truncate: bool) -> list[tuple[str, int, int]]:
-    """``(id, offset, length)`` of each complete line; with ``truncate`` cut a torn last line
-    off the file (a crash mid-write)."""
+
+def _scan(path: Path) -> list[tuple[str, int, int]]:
+    """``(id, offset, length)`` of each complete line."""
     entries: list[tuple[str, int, int]] = []
     try:
         f = open(path, "rb")  # noqa: SIM115 - closed below
@@ -33,10 +33,6 @@ def _scan(path: Path, truncate: bool) -> list[tuple[str, int, int]]:
                 break
             entries.append((str(json.loads(raw)["id"]), offset, len(raw)))
             offset += len(raw)
-    if truncate and offset < path.stat().st_size:
-        with open(path, "r+b") as f:
-            f.truncate(offset)
-            os.fsync(f.fileno())
     return entries
 
 
@@ -47,20 +43,15 @@ class RowLog:
         self.out = out
         self.part = out.with_name(out.name + ".part")
         out.parent.mkdir(parents=True, exist_ok=True)
-        lock_path = out.with_name(f".{out.name}.lock")
-        self._lock = open(lock_path, "a")  # noqa: SIM115 - held until close()
-        try:
-            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._lock.close()
-            raise RuntimeError(f"another hsdump process is writing {out} (it holds {lock_path}); "
-                               "wait for it or stop it") from None
+        self._lock = exclusive_lock(out.with_name(f".{out.name}.lock"),
+                                    f"another hsdump process is writing {out}")
         for stale in out.parent.glob(f".{out.name}.tmp-*"):  # an assembly killed midway
             stale.unlink()
         # id -> (file, offset, length) of the line holding that row; OUT wins over OUT.part
         self.done: dict[str, tuple[Path, int, int]] = {}
+        truncate_torn_line(self.part)  # a crash mid-append
         for path in (out, self.part):
-            for row_id, offset, length in _scan(path, truncate=path == self.part):
+            for row_id, offset, length in _scan(path):
                 self.done.setdefault(row_id, (path, offset, length))
         self._f = open(self.part, "ab")  # noqa: SIM115 - closed in close()
 
