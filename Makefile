@@ -30,12 +30,17 @@ $(SPECFORGE_DIR): $(STAMP)
 	$(PY) -m pip install -q --no-deps --target $@.tmp specforge==$(SPECFORGE_VERSION)
 	mv $@.tmp $@
 
-test: $(STAMP) $(SPECFORGE_DIR) ## Run the whole test suite (real CPU SGLang servers; sets itself up)
+# The system packages the suite runs (Docker, debootstrap, ...): scripts/prereqs.txt, installed
+# when missing (root), before the first test; a second run installs nothing.
+prereqs: ## Install the system packages the tests need (scripts/prereqs.txt; root)
+	bash scripts/prereqs.sh
+
+test: prereqs $(STAMP) $(SPECFORGE_DIR) ## Run the whole test suite (real CPU SGLang servers; sets itself up)
 	HSDUMP_SPECFORGE_PATH=$(abspath $(SPECFORGE_DIR)) $(PY) -m pytest -ra $(PYTEST_ARGS)
 
 lint: $(STAMP) ## ruff over the package, tests and scripts
 	$(VENV)/bin/ruff check hsdump_patch tests scripts
 
-.PHONY: help venv test lint
+.PHONY: help venv prereqs test lint
 
 -include mk/*.mk

@@ -1,9 +1,10 @@
 """Fixtures for tests that need a container engine or the hsdump image (a pytest plugin).
 
-``docker_engine`` makes sure a real Docker engine answers (installing Debian's ``docker.io``
-and starting ``dockerd --iptables=false`` when root and absent); ``hsdump_image`` builds the
-CPU stand-in of the official SGLang image once (``tests/image/build_standin.sh``) and the real
-``Dockerfile`` on top of it with ``make image``, and returns the image tag.
+``docker_engine`` makes sure a real Docker engine answers (starting ``dockerd
+--iptables=false`` when root and none answers; ``make prereqs`` installs Debian's
+``docker.io``); ``hsdump_image`` builds the CPU stand-in of the official SGLang image once
+(``tests/image/build_standin.sh``) and the real ``Dockerfile`` on top of it with
+``make image``, and returns the image tag.
 """
 
 from __future__ import annotations
@@ -50,14 +51,7 @@ def _answers(cli: str) -> bool:
 
 
 def _start_dockerd() -> subprocess.Popen:
-    if not shutil.which("dockerd"):
-        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-        for cmd in (["apt-get", "update", "-qq"],
-                    ["apt-get", "install", "-y", "-qq", "--no-install-recommends", "docker.io"]):
-            r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900,
-                               check=False)
-            if r.returncode != 0:
-                pytest.fail(f"{' '.join(cmd)} failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
+    require(shutil.which("dockerd") is not None, "dockerd (Debian's docker.io: make prereqs)")
     # No iptables in this sandbox: containers use --network host (no NAT, no port mapping).
     log = open(DOCKERD_LOG, "a")  # noqa: SIM115 - owned by the daemon process
     return subprocess.Popen(["dockerd", "--iptables=false"], stdout=log,

@@ -315,7 +315,7 @@ def debian_host(docker_engine, tmp_path_factory) -> Iterator[DebianHost]:
     here when absent) as a small image, run as a container with apt's lists fetched."""
     if _docker("images", "-q", DEBIAN_TAG).strip() == "":
         if not (DEBIAN_ROOTFS / ".complete").exists():
-            require(shutil.which("debootstrap") is not None, "debootstrap (apt-get install it)")
+            require(shutil.which("debootstrap") is not None, "debootstrap (make prereqs)")
             subprocess.run(["debootstrap", "--variant=minbase", "--include=python3", "bookworm",
                             str(DEBIAN_ROOTFS), "http://deb.debian.org/debian"], check=True,
                            capture_output=True, timeout=1200)

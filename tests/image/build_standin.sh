@@ -8,7 +8,7 @@
 #   tests/image/build_standin.sh TAG            build TAG unless the engine already has it
 #
 # Environment: ENGINE (docker|podman, default docker), VENV (default .venv), CACHE (work folder,
-# default .cache/image), MIRROR (Debian mirror). Needs root (debootstrap).
+# default .cache/image), MIRROR (Debian mirror). Needs root and debootstrap (make prereqs).
 set -euo pipefail
 
 TAG=${1:?usage: build_standin.sh TAG}
@@ -28,9 +28,7 @@ site="$VENV/lib/python$pyver/site-packages"
 sglang_version=$("$VENV/bin/python" -c 'from importlib.metadata import version; print(version("sglang"))')
 [ -d "$site/sglang" ] || { echo "error: $site has no sglang; run 'make venv' first" >&2; exit 1; }
 
-if ! command -v debootstrap >/dev/null; then
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends debootstrap >/dev/null
-fi
+command -v debootstrap >/dev/null || { echo "error: no debootstrap; run 'make prereqs'" >&2; exit 1; }
 
 mkdir -p "$CACHE"
 os="$CACHE/rootfs-$SUITE"
