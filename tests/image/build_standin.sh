@@ -18,15 +18,31 @@ CACHE=${CACHE:-.cache/image}
 MIRROR=${MIRROR:-http://deb.debian.org/debian}
 SUITE=bookworm  # its python3 is 3.11, the .venv's minor version
 
-if "$ENGINE" image inspect "$TAG" >/dev/null 2>&1; then
-  echo "stand-in base $TAG already built"
-  exit 0
-fi
-
 pyver=$("$VENV/bin/python" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
 site="$VENV/lib/python$pyver/site-packages"
 sglang_version=$("$VENV/bin/python" -c 'from importlib.metadata import version; print(version("sglang"))')
 [ -d "$site/sglang" ] || { echo "error: $site has no sglang; run 'make venv' first" >&2; exit 1; }
+
+# An image is reused only when this recipe built it and it still has what the official image
+# has (pip, sglang at the venv's version): a tag left by an interrupted or older build, on an
+# engine whose storage outlives the checkout, is rebuilt instead of failing `make image` later.
+recipe=$(cat "$0" | sha256sum | cut -c1-16)
+healthy() {
+  [ "$("$ENGINE" image inspect -f '{{ index .Config.Labels "hsdump.test.recipe" }}' "$TAG" \
+       2>/dev/null)" = "$recipe-$sglang_version" ] &&
+  "$ENGINE" run --rm --network none "$TAG" python3 -c "
+import pip, sys
+from importlib.metadata import version
+sys.exit(version('sglang') != '$sglang_version')" >/dev/null 2>&1
+}
+if healthy; then
+  echo "stand-in base $TAG already built"
+  exit 0
+fi
+if "$ENGINE" image inspect "$TAG" >/dev/null 2>&1; then
+  echo "stand-in base $TAG is stale or broken (another recipe, no pip or no sglang $sglang_version): rebuilding"
+  "$ENGINE" rmi -f "$TAG" >/dev/null
+fi
 
 command -v debootstrap >/dev/null || { echo "error: no debootstrap; run 'make prereqs'" >&2; exit 1; }
 
@@ -63,6 +79,8 @@ tar -C "$root" -c . | "$ENGINE" import \
   -c 'WORKDIR /sgl-workspace' \
   -c 'CMD ["/bin/bash"]' \
   -c "LABEL org.opencontainers.image.title=\"test-only CPU stand-in of lmsysorg/sglang\" \
-org.opencontainers.image.version=\"$sglang_version\"" \
+org.opencontainers.image.version=\"$sglang_version\" \
+hsdump.test.recipe=\"$recipe-$sglang_version\"" \
   - "$TAG"
 rm -rf "$root"
+healthy || { echo "error: the new stand-in $TAG lacks pip or sglang $sglang_version" >&2; exit 1; }
