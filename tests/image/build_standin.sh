@@ -27,13 +27,11 @@ sglang_version=$("$VENV/bin/python" -c 'from importlib.metadata import version; 
 # has (pip, sglang at the venv's version): a tag left by an interrupted or older build, on an
 # engine whose storage outlives the checkout, is rebuilt instead of failing `make image` later.
 recipe=$(cat "$0" | sha256sum | cut -c1-16)
+check="import pip, sys; from importlib.metadata import version; sys.exit(version('sglang') != '$sglang_version')"
 healthy() {
   [ "$("$ENGINE" image inspect -f '{{ index .Config.Labels "hsdump.test.recipe" }}' "$TAG" \
        2>/dev/null)" = "$recipe-$sglang_version" ] &&
-  "$ENGINE" run --rm --network none "$TAG" python3 -c "
-import pip, sys
-from importlib.metadata import version
-sys.exit(version('sglang') != '$sglang_version')" >/dev/null 2>&1
+  "$ENGINE" run --rm --network none "$TAG" python3 -c "$check" >/dev/null 2>&1
 }
 if healthy; then
   echo "stand-in base $TAG already built"
