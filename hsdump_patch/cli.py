@@ -14,6 +14,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "hsdump_patch.client.extract",
     "hsdump_patch.client.regenerate",
     "hsdump_patch.client.smoke",
+    "hsdump_patch.client.handoff",
     "hsdump_patch.ops.verify",
 )
 

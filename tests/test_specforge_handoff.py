@@ -1,0 +1,181 @@
+"""``hsdump specforge``: the hand-off of a ``--format specforge`` output to SpecForge 0.2.0,
+checked with SpecForge's own released code (``$HSDUMP_SPECFORGE_PATH``, as test_specforge.py).
+
+Records come from the session's tiny-Llama server (``llama_server``): the longest record and the
+``data.max_length`` to set, the records a shorter limit would cut, stray ``.ckpt`` files, and
+the vocab mapping, equal to the one SpecForge computes from the same directory and loaded by
+its own draft model. The printed overrides go through SpecForge's own offline data path
+(reader, feature store, loader, normaliser, collator) with no record cut.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.conftest import require
+from tests.harness.make_models import VOCAB
+from tests.test_client_dataset import write_jsonl
+from tests.test_client_extract import REPO, extract, pre_tokenized, read_report
+
+pytestmark = pytest.mark.server
+DRAFT_VOCAB = 64  # fewer than the distinct trained ids below: the top-N choice matters
+
+
+@pytest.fixture(scope="module")
+def sfh() -> SimpleNamespace:
+    """SpecForge's vocab-mapping code, its draft model and its offline data path."""
+    path = os.environ.get("HSDUMP_SPECFORGE_PATH", "")
+    require(bool(path) and Path(path, "specforge").is_dir(),
+            "SpecForge's code at $HSDUMP_SPECFORGE_PATH (make test installs it)")
+    sys.path.insert(0, path)
+    from specforge.algorithms.builtin import builtin_algorithm_registry
+    from specforge.config.schema import DataConfig
+    from specforge.core.compact_teacher import validate_vocab_mapping_consistency
+    from specforge.data.preprocessing import process_token_dict_to_mappings
+    from specforge.launch import _make_offline_eval_data_factory
+    from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
+    from specforge.training.vocab_mapping import count_effective_feature_tokens
+
+    return SimpleNamespace(
+        registry=builtin_algorithm_registry, DataConfig=DataConfig,
+        validate=validate_vocab_mapping_consistency, mappings=process_token_dict_to_mappings,
+        loader_factory=_make_offline_eval_data_factory, Eagle3=LlamaForCausalLMEagle3,
+        count=count_effective_feature_tokens)
+
+
+@pytest.fixture(scope="module")
+def handoff_out(tmp_path_factory, llama_server) -> SimpleNamespace:
+    """A small --format specforge extraction of rows of different lengths."""
+    tmp = tmp_path_factory.mktemp("handoff")
+    rows = pre_tokenized(5, seed=21, lo=20, hi=120, prefix="ho")
+    out = tmp / "out"
+    assert extract(llama_server, write_jsonl(tmp / "d.jsonl", rows), out, "--format",
+                   "specforge") == 0
+    assert read_report(out)["ok"] == len(rows)
+    return SimpleNamespace(out=out, rows=rows, server=llama_server)
+
+
+def run_handoff(out: Path, *flags: str) -> tuple[int, str, dict]:
+    r = subprocess.run([sys.executable, "-m", "hsdump_patch.cli", "specforge", "--out", str(out),
+                        "--no-progress", *flags], cwd=REPO, capture_output=True, text=True,
+                       timeout=300)
+    report = out / "specforge-report.json"
+    return r.returncode, r.stdout + r.stderr, json.loads(report.read_text()) \
+        if report.exists() else {}
+
+
+def overrides(printed: str) -> dict[str, str]:
+    """The ``key=value`` overrides of the printed ``specforge train overrides:`` line."""
+    line = re.search(r"^specforge train overrides: (.*)$", printed, re.M)
+    assert line, printed
+    return dict(item.split("=", 1) for item in line.group(1).split())
+
+
+def test_longest_record_cut_records_and_strays(handoff_out):
+    out, rows = handoff_out.out, handoff_out.rows
+    lengths = {r["id"]: len(r["input_ids"]) for r in rows}
+    longest = max(lengths.values())
+    rc, printed, report = run_handoff(out)
+    assert rc == 0, printed
+    assert report["longest"]["tokens"] == longest and report["records"] == len(rows)
+    assert report["tokens"] == sum(lengths.values()) and report["strays"] == []
+    assert overrides(printed)["data.max_length"] == str(longest)
+    assert f"longest record: {longest:,} tokens" in printed
+
+    limit = sorted(lengths.values())[-3]  # the two longest would be cut
+    rc, printed, report = run_handoff(out, "--max-length", str(limit))
+    assert rc == 1, printed
+    cut = {i for i, n in lengths.items() if n > limit}
+    assert len(cut) == 2 and {c["id"] for c in report["cut"]} == cut
+    assert all(f"cut at --max-length {limit}: {i} " in printed for i in cut)
+
+    # A record of another run, in a group dir and in a dir of its own: SpecForge lists both.
+    some = next(out.glob("rows_*/*.ckpt"))
+    strays = [some.parent / "old-run.ckpt", out / "edited" / "x.ckpt.gz"]
+    strays[1].parent.mkdir()
+    for s in strays:
+        shutil.copy(some, s)
+    rc, printed, report = run_handoff(out, "--draft-vocab-size", str(DRAFT_VOCAB))
+    assert rc == 1 and "--remove-strays" in printed, printed
+    assert not (out / "specforge-vocab-mapping.pt").exists()
+    rc, printed, report = run_handoff(out)
+    assert rc == 1 and sorted(report["strays"]) == sorted(
+        str(s.relative_to(out)) for s in strays), printed
+    rc, printed, report = run_handoff(out, "--remove-strays")
+    assert rc == 0 and report["strays_removed"] and not any(s.exists() for s in strays), printed
+    rc, printed, report = run_handoff(out)
+    assert rc == 0 and report["strays"] == []
+
+
+@pytest.mark.parametrize("draft", [DRAFT_VOCAB, 700])  # 700: more than the distinct ids
+def test_vocab_mapping_equals_specforge_and_loads(handoff_out, sfh, tmp_path, draft):
+    out = handoff_out.out
+    mapping = tmp_path / "vm.pt"
+    # --target-vocab-size defaults to the model's config.json (hsdump-meta.json's model).
+    rc, printed, report = run_handoff(out, "--draft-vocab-size", str(draft), "--vocab-mapping",
+                                      str(mapping))
+    assert rc == 0, printed
+    assert report["vocab_mapping"]["target_vocab_size"] == VOCAB
+    assert overrides(printed)["model.vocab_mapping_path"] == str(mapping.resolve())
+    max_len = int(overrides(printed)["data.max_length"])
+
+    counts = sfh.count(str(out), max_length=max_len, target_vocab_size=VOCAB)
+    assert (len(counts) > draft) == (draft == DRAFT_VOCAB)
+    assert sum(counts.values()) == sum(sum(r["loss_mask"]) for r in handoff_out.rows)
+    want_d2t, want_t2d = sfh.mappings(counts, draft, VOCAB)
+    got = torch.load(mapping, weights_only=True)
+    assert set(got) == {"d2t", "t2d"}
+    assert got["d2t"].dtype == want_d2t.dtype and torch.equal(got["d2t"], want_d2t)
+    assert got["t2d"].dtype == want_t2d.dtype and torch.equal(got["t2d"], want_t2d)
+
+    from transformers import LlamaConfig
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                      num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1)
+    cfg.draft_vocab_size = draft
+    model = sfh.Eagle3(cfg)
+    model.load_vocab_mapping(str(mapping))
+    assert model.vocab_mapping_loaded and torch.equal(model.d2t, want_d2t)
+    assert torch.equal(model.t2d, want_t2d)
+    sfh.validate(model.t2d, model.d2t)
+
+
+def test_printed_data_settings_run_through_specforge_data_path(handoff_out, sfh):
+    """The printed data overrides, validated by SpecForge's DataConfig, load every record whole
+    through SpecForge's own offline loader (reader, store, normaliser, collator)."""
+    out, rows = handoff_out.out, handoff_out.rows
+    rc, printed, _ = run_handoff(out)
+    assert rc == 0, printed
+    data = sfh.DataConfig(**{k.split(".", 1)[1]: v for k, v in overrides(printed).items()
+                             if k.startswith("data.")})
+    assert data.max_length < 2048  # the check below would pass with SpecForge's default too
+    by_ids = {tuple(r["input_ids"]): r for r in rows}
+
+    def batches(max_len: int) -> list[dict]:
+        build = sfh.loader_factory(
+            algorithm=sfh.registry().resolve("eagle3"), modality="text",
+            hidden_states_path=data.hidden_states_path, run_id="hsdump-test", batch_size=1,
+            max_len=max_len, ttt_length=7, use_usp_preprocess=False, dataloader_num_workers=0)
+        return [b.tensors for b in build()]
+
+    seen = set()
+    for batch in batches(data.max_length):
+        ids = tuple(batch["input_ids"][0].tolist())
+        assert ids in by_ids, "a record was cut (or is not ours)"
+        seen.add(ids)
+        assert batch["loss_mask"][0].tolist() == [*by_ids[ids]["loss_mask"][:-1], 0]
+        assert batch["hidden_state"].shape[1] == batch["target"].shape[1] == len(ids)
+    assert seen == set(by_ids)
+    # One token less than printed cuts the longest record: the check above has teeth.
+    cut = [b for b in batches(data.max_length - 1)
+           if tuple(b["input_ids"][0].tolist()) not in by_ids]
+    assert len(cut) == sum(len(r["input_ids"]) == data.max_length for r in rows) >= 1
