@@ -211,6 +211,11 @@ def test_tiny_kimi_k25_end_to_end_in_both_formats(tmp_path, kimi_server, tiny_ki
                     "--format", fmt, "--no-progress"]) == 0
         got = dict(iter_records(out))
         assert sorted(got) == sorted(want)
+        # Issue 16.9: the report says which rows auto split into per-turn samples, and why.
+        report = json.loads((out / "report.shard-0-of-1.json").read_text())
+        assert report["per_turn_fallbacks"] == 1 and report["fallback_rows"] == ["agent-trace"]
+        assert report["trained_tokens"] == sum(sum(m) for _, m in want.values())
+        assert report["longest"]["tokens"] == max(len(i) for i, _ in want.values())
         for sid, rec in got.items():
             ids, mask = want[sid]
             if fmt == "eagle3":

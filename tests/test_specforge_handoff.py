@@ -59,10 +59,32 @@ def handoff_out(tmp_path_factory, llama_server) -> SimpleNamespace:
     tmp = tmp_path_factory.mktemp("handoff")
     rows = pre_tokenized(5, seed=21, lo=20, hi=120, prefix="ho")
     out = tmp / "out"
-    assert extract(llama_server, write_jsonl(tmp / "d.jsonl", rows), out, "--format",
-                   "specforge") == 0
+    # Bad rows, skipped (--on-error skip) and counted by reason in the extract report.
+    bad = [{"id": f"zero{i}", "input_ids": [11, 12, 13 + i], "loss_mask": [0, 0, 0]}
+           for i in range(2)]
+    dataset = write_jsonl(tmp / "d.jsonl", rows + bad)
+    with open(dataset, "a") as f:
+        f.write('{"id": "torn", "input_ids": [1, 2\n')
+    assert extract(llama_server, dataset, out, "--format", "specforge", "--on-error",
+                   "skip") == 3
     assert read_report(out)["ok"] == len(rows)
     return SimpleNamespace(out=out, rows=rows, server=llama_server)
+
+
+def test_extract_report_counts_trained_tokens_longest_and_skips(handoff_out):
+    """Issue 16.9: the extract report counts trained vs stored tokens, names the longest
+    record and groups the skipped rows by reason (numbers and names blanked out)."""
+    report = read_report(handoff_out.out)
+    rows = handoff_out.rows
+    assert report["tokens"] == sum(len(r["input_ids"]) for r in rows)
+    assert report["trained_tokens"] == sum(sum(r["loss_mask"]) for r in rows)
+    top = max(rows, key=lambda r: len(r["input_ids"]))
+    assert report["longest"] == {"id": top["id"], "tokens": len(top["input_ids"])}
+    assert report["per_turn_fallbacks"] == 0  # pre-tokenized rows have no turns to split
+    by_reason = report["skipped_by_reason"]
+    assert len(by_reason) == 2 and report["skipped"] == 3
+    assert [n for r, n in by_reason.items() if "all zeros" in r] == [2]
+    assert [n for r, n in by_reason.items() if "not valid JSON" in r] == [1]
 
 
 def run_handoff(out: Path, *flags: str) -> tuple[int, str, dict]:

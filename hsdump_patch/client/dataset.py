@@ -53,6 +53,8 @@ class Sample:
     where: str
     input_ids: list[int]
     loss_mask: list[int]
+    # On the first sample of a chat row that ``auto`` split into per-turn samples: why.
+    fallback: str | None = None
 
     @property
     def digest(self) -> str:
@@ -168,13 +170,23 @@ def _pretokenized(obj: dict[str, Any], where: str) -> tuple[list[int], list[int]
     return ids, mask
 
 
+# Why ``auto`` gave per-turn samples, unless the renderer names it (``TurnSample.fallback``).
+FALLBACK_REASON = ("the turns' serving prompts are not token prefixes of one stream (the "
+                   "template rewrites or drops past turns, or a boundary is not a token boundary)")
+
+
 def _chat(obj: dict[str, Any], renderer: ChatRenderer | None,
-          where: str) -> list[tuple[str, list[int], list[int]]]:
+          where: str) -> tuple[list[tuple[str, list[int], list[int]]], str | None]:
+    """The row's (suffix, ids, mask) samples and, when ``auto`` fell back to per-turn samples,
+    the reason."""
     if renderer is None:
         raise SampleError(where, "chat rows need the model's tokenizer (--model)")
     try:
-        return [(t.suffix, t.input_ids, t.loss_mask)
-                for t in renderer.render(parse_conversation(obj))]
+        turns = renderer.render(parse_conversation(obj))
+        fallback = None
+        if getattr(renderer, "policy", None) == "auto" and len(turns) > 1:
+            fallback = getattr(turns[0], "fallback", None) or FALLBACK_REASON
+        return [(t.suffix, t.input_ids, t.loss_mask) for t in turns], fallback
     except ConversationError as e:
         raise SampleError(where, str(e)) from None
     except Exception as e:  # template errors come as jinja2 / ValueError / TypeError
@@ -193,10 +205,11 @@ def load_samples(f: BinaryIO, path: Path, ref: RowRef, renderer: ChatRenderer | 
     out = []
     try:
         obj = _parse_line(f.readline(), where)
+        fallback = None
         if "input_ids" in obj:
             parts = [("", *_pretokenized(obj, where))]
         elif "messages" in obj or "conversations" in obj:
-            parts = _chat(obj, renderer, where)
+            parts, fallback = _chat(obj, renderer, where)
         else:
             raise SampleError(where, 'a row needs "messages" (OpenAI style), "conversations" '
                               '(ShareGPT style) or "input_ids" + "loss_mask" (pre-tokenized)')
@@ -209,7 +222,7 @@ def load_samples(f: BinaryIO, path: Path, ref: RowRef, renderer: ChatRenderer | 
                 cut = f" within the first {max_len} tokens (--max-len)" if max_len else ""
                 raise SampleError(where, f"the loss mask is all zeros{cut}: the sample has no "
                                   "assistant tokens to train on")
-            out.append(Sample(ref.id + suffix, where, ids, mask))
+            out.append(Sample(ref.id + suffix, where, ids, mask, None if out else fallback))
     except SampleError as e:
         e.sample_id = ref.id
         raise

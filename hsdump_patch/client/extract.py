@@ -330,7 +330,8 @@ class Extraction:
                 manifest.append({"id": sample.id, "file": res.file,
                                  "tokens": len(sample.input_ids), "bytes": res.size,
                                  "digest": sample.digest})
-                report.add_ok(len(sample.input_ids), res.size, res.chunks)
+                report.add_ok(len(sample.input_ids), res.size, res.chunks,
+                              sum(sample.loss_mask), sample.id)
                 bar.update(1)
                 elapsed = max(time.monotonic() - t0, 1e-9)
                 bar.set_postfix_str(f"{report.tokens / elapsed:,.0f} tok/s, "
@@ -476,7 +477,7 @@ def extract(settings: Settings, dataset: Path, *, shard: Shard | None = None,
         todo = [r for r in rows if r.id not in done or r.id in redo]
         report.already_done = sum(r.id in done and r.id not in redo for r in rows)
         items: list[Any] = list(bad_rows)
-        run.run(_chain(items, iter_samples(dataset, todo, renderer, max_len)),
+        run.run(_chain(items, report.watch(iter_samples(dataset, todo, renderer, max_len))),
                 len(bad_rows) + len(todo), manifest, report)
         report.leftover_dump_dirs = run.sweep_dump_dir(r.id for r in rows)
     return report

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from collections import Counter
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,11 +53,21 @@ class RunReport:
             return EXIT_STOPPED
         return EXIT_WITH_ISSUES if self.issues else EXIT_OK
 
+    def by_reason(self, kind: str) -> dict[str, int]:
+        """How many issues of ``kind`` per reason (numbers and quoted names blanked out)."""
+        return dict(Counter(_REASON_DETAILS.sub("…", i.reason) for i in self.issues
+                            if i.kind == kind).most_common())
+
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out.update(failed=self.count("failed"), skipped=self.count("skipped"),
+                   skipped_by_reason=self.by_reason("skipped"),
+                   failed_by_reason=self.by_reason("failed"),
                    tokens_per_s=round(self.tokens_per_s, 1), wall_s=round(self.wall_s, 3))
         return out
+
+
+_REASON_DETAILS = re.compile(r"'[^']*'|\"[^\"]*\"|\d+")
 
 
 class ErrorPolicy:
@@ -98,12 +111,33 @@ class Report(RunReport):
     bytes: int = 0
     max_chunks: int = 0
     leftover_dump_dirs: int = 0
+    trained_tokens: int = 0  # loss-mask 1 tokens of the written samples (of ``tokens`` stored)
+    longest: dict[str, Any] | None = None  # the longest written sample: id, tokens
+    per_turn_fallbacks: int = 0  # chat rows ``auto`` split into per-turn samples
+    fallback_reasons: dict[str, int] = field(default_factory=dict)
+    fallback_rows: list[str] = field(default_factory=list)  # their ids (the first 100)
 
-    def add_ok(self, tokens: int, size: int, chunks: int) -> None:
+    def add_ok(self, tokens: int, size: int, chunks: int, trained: int = 0,
+               sample_id: str | None = None) -> None:
         self.ok += 1
         self.tokens += tokens
+        self.trained_tokens += trained
         self.bytes += size
         self.max_chunks = max(self.max_chunks, chunks)
+        if self.longest is None or tokens > self.longest["tokens"]:
+            self.longest = {"id": sample_id, "tokens": tokens}
+
+    def watch(self, items: Iterable[Any]) -> Iterator[Any]:
+        """Pass ``items`` (samples, errors) through, counting the rows ``auto`` split into
+        per-turn samples (``Sample.fallback``) by reason."""
+        for item in items:
+            reason = getattr(item, "fallback", None)
+            if reason:
+                self.per_turn_fallbacks += 1
+                self.fallback_reasons[reason] = self.fallback_reasons.get(reason, 0) + 1
+                if len(self.fallback_rows) < 100:
+                    self.fallback_rows.append(item.id)
+            yield item
 
 
 def print_issues(report: RunReport, shown: int = 20) -> None:
@@ -127,13 +161,23 @@ def print_summary(report: Report, report_path: Path) -> None:
         ("already done", f"{report.already_done:,}"),
         ("failed", f"{report.count('failed'):,}"),
         ("skipped", f"{report.count('skipped'):,}"),
-        ("tokens", f"{report.tokens:,}"),
+        ("tokens stored", f"{report.tokens:,}"),
+        ("tokens trained", f"{report.trained_tokens:,} ("
+                           f"{report.trained_tokens / max(report.tokens, 1):.1%} of stored)"),
+        ("longest record", f"{report.longest['tokens']:,} tokens ({report.longest['id']})"
+                           if report.longest else "-"),
+        ("per-turn fallbacks", f"{report.per_turn_fallbacks:,} rows"),
         ("written", f"{report.bytes / 1e9:.3f} GB"),
         ("wall time", f"{report.wall_s:.1f} s"),
         ("throughput", f"{report.tokens_per_s:,.0f} tokens/s"),
     ]
     print(f"hsdump extract: shard {report.shard}, format {report.fmt} -> {report.out}")
     print(format_table(rows))
+    for reason, n in report.fallback_reasons.items():
+        print(f"  per-turn fallback ({n:,} rows): {reason}")
+    for kind in ("skipped", "failed"):
+        for reason, n in report.by_reason(kind).items():
+            print(f"  {kind} ({n:,}): {reason}")
     print_issues(report)
     if report.leftover_dump_dirs:
         print(f"  warning: {report.leftover_dump_dirs} unfinished request dir(s) of this dataset "
