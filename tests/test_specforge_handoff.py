@@ -39,7 +39,7 @@ def sfh() -> SimpleNamespace:
             "SpecForge's code at $HSDUMP_SPECFORGE_PATH (make test installs it)")
     sys.path.insert(0, path)
     from specforge.algorithms.builtin import builtin_algorithm_registry
-    from specforge.config.schema import DataConfig
+    from specforge.config.schema import load_config
     from specforge.core.compact_teacher import validate_vocab_mapping_consistency
     from specforge.data.preprocessing import process_token_dict_to_mappings
     from specforge.launch import _make_offline_eval_data_factory
@@ -47,7 +47,7 @@ def sfh() -> SimpleNamespace:
     from specforge.training.vocab_mapping import count_effective_feature_tokens
 
     return SimpleNamespace(
-        registry=builtin_algorithm_registry, DataConfig=DataConfig,
+        registry=builtin_algorithm_registry, load_config=load_config,
         validate=validate_vocab_mapping_consistency, mappings=process_token_dict_to_mappings,
         loader_factory=_make_offline_eval_data_factory, Eagle3=LlamaForCausalLMEagle3,
         count=count_effective_feature_tokens)
@@ -171,14 +171,25 @@ def test_vocab_mapping_equals_specforge_and_loads(handoff_out, sfh, tmp_path, dr
     sfh.validate(model.t2d, model.d2t)
 
 
-def test_printed_data_settings_run_through_specforge_data_path(handoff_out, sfh):
-    """The printed data overrides, validated by SpecForge's DataConfig, load every record whole
-    through SpecForge's own offline loader (reader, store, normaliser, collator)."""
+def test_printed_recipe_runs_through_specforge_data_path(handoff_out, sfh, tmp_path):
+    """The README recipe: the shipped run config plus the printed overrides, loaded by
+    SpecForge's own config loader, load every record whole through SpecForge's own offline
+    data path (reader, feature store, loader, normaliser, collator)."""
     out, rows = handoff_out.out, handoff_out.rows
-    rc, printed, _ = run_handoff(out)
+    rc, printed, _ = run_handoff(out, "--draft-vocab-size", str(DRAFT_VOCAB), "--vocab-mapping",
+                                 str(tmp_path / "vm.pt"))
     assert rc == 0, printed
-    data = sfh.DataConfig(**{k.split(".", 1)[1]: v for k, v in overrides(printed).items()
-                             if k.startswith("data.")})
+    readme = (REPO / "README.md").read_text()
+    recipe = readme[readme.index("## Kimi-K2.5 to a SpecForge drafter"):]
+    config = re.search(r"specforge train --config (\S+)", recipe).group(1)
+    assert (REPO / config).is_file()
+    assert all(f"{key}=" in recipe for key in overrides(printed))
+    cfg = sfh.load_config(str(REPO / config), [f"{k}={v}" for k, v in overrides(printed).items()])
+    assert cfg.mode == "offline" and cfg.model.trust_remote_code
+    assert cfg.model.lm_head_key == "language_model.lm_head.weight"
+    assert cfg.model.embedding_key == "language_model.model.embed_tokens.weight"
+    assert cfg.model.vocab_mapping_path == str((tmp_path / "vm.pt").resolve())
+    data = cfg.data
     assert data.max_length < 2048  # the check below would pass with SpecForge's default too
     by_ids = {tuple(r["input_ids"]): r for r in rows}
 
@@ -201,3 +212,50 @@ def test_printed_data_settings_run_through_specforge_data_path(handoff_out, sfh)
     cut = [b for b in batches(data.max_length - 1)
            if tuple(b["input_ids"][0].tolist()) not in by_ids]
     assert len(cut) == sum(len(r["input_ids"]) == data.max_length for r in rows) >= 1
+
+
+def test_loss_mask_conventions_token_by_token_under_specforge_shift(tmp_path, llama_server,
+                                                                     sfh):
+    """Issue 16.10: under SpecForge's own shift (its offline normaliser, then
+    ``TargetHead.preprocess``), position t trains input token t+1 towards the target's
+    distribution of token t+2. With ``--loss-mask drafted`` exactly the positions whose input
+    and target tokens are both emitted in one turn are trained: the first drafted position of
+    each turn (the last prompt token) included, nothing at or after the end of turn; the
+    default ``completion`` mask is stored as given."""
+    from specforge.algorithms.eagle3.data import normalize_offline_sample
+    from specforge.modeling.target.target_head import TargetHead
+
+    # Two turns: prompt 0..4, turn 5..10, prompt 11..14, turn 15..19.
+    c = [0] * 5 + [1] * 6 + [0] * 4 + [1] * 5
+    row = {"id": "two-turns", "input_ids": list(range(100, 100 + len(c))), "loss_mask": c}
+    dataset = write_jsonl(tmp_path / "d.jsonl", [row])
+    runs = [(5, 10), (15, 19)]  # (first emitted, end of turn) of each turn
+    for convention in ("completion", "drafted"):
+        out = tmp_path / convention
+        flags = ["--format", "specforge"] + (["--loss-mask", convention]
+                                             if convention == "drafted" else [])
+        assert extract(llama_server, dataset, out, *flags) == 0
+        meta = json.loads((out / "hsdump-meta.json").read_text())
+        assert meta["loss_mask_convention"] == convention
+        (path,) = out.glob("rows_*/*.ckpt")
+        raw = torch.load(path, weights_only=True)
+        sample = normalize_offline_sample(raw, max_len=len(c))
+        ids, target, mask = TargetHead.preprocess(None, sample["input_ids"], sample["target"],
+                                                  sample["loss_mask"])
+        mask = mask[0, :, 0].tolist()
+        # SpecForge's shift: input token t+1, target = final state of t+1 (predicts t+2).
+        assert ids[0, :-1].tolist() == row["input_ids"][1:]
+        assert torch.equal(target[0, :-1], raw["hidden_state"][0, 1:])
+        if convention == "completion":
+            assert mask == [*c[:-1], 0]
+            for p, e in runs:  # the mismatch the drafted convention fixes
+                assert mask[p - 1] == 0 and mask[e - 1] == 1
+            assert mask[10] == 1  # input: the token after the first turn's end
+            continue
+        for t, trained in enumerate(mask):
+            drafted = any(p - 1 <= t <= e - 2 for p, e in runs)
+            # input token t+1 and target token t+2 both emitted in one turn
+            same_turn = any(p <= t + 1 and t + 2 <= e for p, e in runs)
+            assert trained == int(drafted) == int(same_turn), t
+    # A directory keeps one convention: a rerun with the other is refused.
+    assert extract(llama_server, dataset, tmp_path / "drafted", "--format", "specforge") == 1

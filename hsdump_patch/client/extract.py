@@ -38,6 +38,7 @@ from hsdump_patch.client.dataset import (
     iter_samples,
 )
 from hsdump_patch.client.manifest import Manifest, load_done, remove_stale_temps
+from hsdump_patch.client.mask import LOSS_MASKS, apply_convention
 from hsdump_patch.client.report import ErrorPolicy, Report, print_summary
 
 DEFAULT_SERVER = "http://127.0.0.1:30000"
@@ -86,6 +87,7 @@ class Settings:
     progress: bool = True
     compress: bool = False
     allow_no_final: bool = False
+    loss_mask: str = "completion"  # a convention of hsdump_patch.client.mask
 
 
 # ------------------------------------------------------------------------------ HTTP
@@ -274,7 +276,8 @@ class Extraction:
             assemble.remove_request(dump, rid)
             name = records.record_name(sample.id, self.s.fmt, self.s.compress)
             try:
-                size = records.save_atomic(builder.record(sample.input_ids, sample.loss_mask),
+                size = records.save_atomic(builder.record(
+                    sample.input_ids, apply_convention(sample.loss_mask, self.s.loss_mask)),
                                            self.s.out / name, self.s.compress)
             except OSError as e:
                 if e.errno in _FATAL_ERRNOS:
@@ -463,7 +466,7 @@ def extract(settings: Settings, dataset: Path, *, shard: Shard | None = None,
     settings.out.mkdir(parents=True, exist_ok=True)
     records.ensure_sidecar(settings.out, records.sidecar(
         settings.fmt, info, tokenizer=tokenizer_path, max_len=max_len, compress=settings.compress,
-        trust_remote_code=trust))
+        trust_remote_code=trust, loss_mask=settings.loss_mask))
 
     report = Report(shard=str(shard), fmt=settings.fmt, out=str(settings.out),
                     dataset=str(dataset), server=settings.server)
@@ -588,6 +591,11 @@ def add_parser(subparsers: Any) -> None:
                         f"skip (default {DEFAULT_MAX_CONSECUTIVE_ERRORS})")
     p.add_argument("--report", type=Path, default=None,
                    help="JSON report path (default OUT/report.shard-I-of-N.json)")
+    p.add_argument("--loss-mask", choices=LOSS_MASKS, default="completion",
+                   help="completion: 1 on each turn's emitted tokens; drafted: 1 where, under "
+                        "SpecForge's one-token shift, the drafter's input and target tokens "
+                        "are both emitted in one turn, as it drafts them when served "
+                        "(docs/client.md) (default completion)")
     p.set_defaults(func=main)
 
 
@@ -611,7 +619,7 @@ def main(args: argparse.Namespace) -> int:
             args, args.out, on_error=args.on_error, concurrency=args.concurrency,
             max_inflight_bytes=parse_size(args.max_inflight_bytes, "--max-inflight-bytes"),
             min_free_bytes=parse_size(args.min_free_bytes, "--min-free-bytes"),
-            max_consecutive_errors=args.max_consecutive_errors)
+            max_consecutive_errors=args.max_consecutive_errors, loss_mask=args.loss_mask)
         report = extract(settings, args.dataset, shard=args.shard, model=args.model,
                          max_len=args.max_len, rid_prefix=args.rid_prefix,
                          trust_remote_code=args.trust_remote_code, multi_turn=args.multi_turn,

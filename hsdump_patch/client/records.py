@@ -53,7 +53,8 @@ LAYER_CONVENTION = (
 )
 FINAL_CONVENTION = "post-final-norm hidden state (the input of lm_head)"
 # Fields of the sidecar that must not change between runs writing into one directory.
-_STABLE_FIELDS = ("format", "model", "layers", "has_final", "hidden_size", "dtype", "compress")
+_STABLE_FIELDS = ("format", "model", "layers", "has_final", "hidden_size", "dtype", "compress",
+                  "loss_mask_convention")
 _PLAIN_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,79}")
 _HASHED_STEM = re.compile(r"-[0-9a-f]{16}$")
 _READABLE_LEN = 48
@@ -203,7 +204,7 @@ def save_atomic(record: dict[str, Any], path: Path, compress: bool = False) -> i
 
 def sidecar(fmt: str, info: protocol.ServerInfo, *, tokenizer: str | None,
             max_len: int | None, compress: bool = False,
-            trust_remote_code: bool = False) -> dict[str, Any]:
+            trust_remote_code: bool = False, loss_mask: str = "completion") -> dict[str, Any]:
     """The metadata describing every record of an output directory."""
     return {
         "format": fmt,
@@ -227,6 +228,7 @@ def sidecar(fmt: str, info: protocol.ServerInfo, *, tokenizer: str | None,
         "tokenizer": tokenizer,
         "trust_remote_code": trust_remote_code,
         "max_len": max_len,
+        "loss_mask_convention": loss_mask,  # hsdump_patch.client.mask
     }
 
 
@@ -236,6 +238,7 @@ def ensure_sidecar(out_dir: Path, meta: dict[str, Any]) -> None:
     if path.exists():
         old = json.loads(path.read_text())
         old.setdefault("compress", False)  # sidecars written before --compress existed
+        old.setdefault("loss_mask_convention", "completion")  # ... before --loss-mask
         diff = [k for k in _STABLE_FIELDS if old.get(k) != meta[k]]
         if diff:
             shown = ", ".join(f"{k}: {old.get(k)!r} -> {meta[k]!r}" for k in diff)
