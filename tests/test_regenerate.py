@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,9 +20,16 @@ import pytest
 import requests
 
 from hsdump_patch.cli import main as cli
-from hsdump_patch.client.conversation import prompt_ids
+from hsdump_patch.client.conversation import ThinkMarkers, decode, prompt_ids
 from hsdump_patch.client.regen_plan import plan_row
-from hsdump_patch.client.regenerate import ROW_FIELD, RegenClient, Regenerator
+from hsdump_patch.client.regenerate import (
+    ROW_FIELD,
+    SERVER_DEFAULTS,
+    RegenClient,
+    Regenerator,
+    Settings,
+    split_reasoning,
+)
 from hsdump_patch.client.rowlog import RowLog
 from hsdump_patch.reader import iter_records
 from tests.harness import server as srv
@@ -54,9 +62,10 @@ def rows_for(prefix: str = "") -> list[dict]:
     ]
 
 
-def regenerate(server, dataset: Path, out: Path, *extra: str) -> int:
+def regenerate(server, dataset: Path, out: Path, *extra: str, greedy: bool = True) -> int:
     return cli(["regenerate", "--server", server.url, "--dataset", str(dataset), "--out",
-                str(out), "--max-new-tokens", str(NEW), "--no-progress", *extra])
+                str(out), "--max-new-tokens", str(NEW), "--no-progress",
+                *(["--temperature", "0"] if greedy else []), *extra])
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -93,8 +102,8 @@ def test_greedy_regeneration_is_deterministic_and_equals_generate(
     got = read_rows(outs[0])
     assert [r["id"] for r in got] == [r["id"] for r in rows]  # dataset order
     assert (rep["rows"], rep["failed"], rep["skipped"], rep["stopped"]) == (5, 0, 0, None)
-    assert rep["turns"] == 1 + 2 + 1 + 2 + 1 and rep["tokens"] > 0
-    assert rep["sampling"] == {"temperature": 0.0}  # no temperature in generation_config
+    assert rep["turns"] == sum(len(r[ROW_FIELD]["turns"]) for r in got) and rep["tokens"] > 0
+    assert rep["sampling"]["temperature"] == 0.0 and rep["sampling_source"]["temperature"] == "flag"
 
     for row, src in zip(got, rows, strict=True):
         meta, msgs = row[ROW_FIELD], row["messages"]
@@ -108,11 +117,15 @@ def test_greedy_regeneration_is_deterministic_and_equals_generate(
                 assert "token_ids" not in m
         assert meta["cut"] == ("length" in meta["finish_reasons"])
         assert rep["cut_rows"].count(row["id"]) == int(meta["cut"])
-        if src["id"] == "multi":
-            assert meta["turns"] == [2, 4] and meta["policy"] == "all-turns"
+        planned = plan_row(src, "t").turns
+        assert meta["turns"] == planned[:len(meta["turns"])]
+        if meta["cut"]:  # the row stops at its cut turn
+            assert meta["finish_reasons"].index("length") == len(meta["turns"]) - 1
+            assert len(msgs) == meta["turns"][-1] + 1 == meta["cut_at"] + 1
+        else:
+            assert meta["turns"] == planned
+        if src["id"] == "multi" and len(meta["turns"]) == 2:
             assert msgs[2]["content"] != CONV[2][1]  # the prompt of turn 4 holds the new turn 2
-        if src["id"] == "ends-with-user":
-            assert meta["turns"] == [2, 4] and len(msgs) == 5  # a new last turn appended
     agent = got[-1]
     assert agent[ROW_FIELD]["policy"] == "last-turn" and agent[ROW_FIELD]["turns"] == [3]
     assert agent["messages"][:3] == AGENT["messages"][:3]  # original calls and results kept
@@ -310,7 +323,9 @@ def test_kimi_k25_regeneration_then_extraction(tmp_path, kimi_server, tiny_kimi)
     agent, think = read_rows(regen)
     assert agent[ROW_FIELD]["turns"] == [3] and agent[ROW_FIELD]["policy"] == "last-turn"
     assert agent["messages"][:3] == kimi_agent["messages"]
-    assert think[ROW_FIELD]["turns"] == [1, 3]
+    # turn 1 is cut at NEW tokens (the random model does not stop): the row stops there
+    assert think[ROW_FIELD]["turns"] == [1] and think[ROW_FIELD]["cut_at"] == 1
+    assert len(think["messages"]) == 2
     out = tmp_path / "eagle3"
     assert cli(["extract", "--server", kimi_server.url, "--dump-dir", str(kimi_server.dump_dir),
                 "--dataset", str(regen), "--out", str(out), "--no-progress"]) == 0
@@ -323,3 +338,169 @@ def test_kimi_k25_regeneration_then_extraction(tmp_path, kimi_server, tiny_kimi)
             assert gen == kimi_server.server.generate(want, max_new_tokens=NEW)["output_ids"]
         rec = recs.get(f"{row['id']}#{k}", recs[row["id"]])
         assert rec["input_ids"].tolist() == want + gen
+
+
+# ------------------------------------------------------------------------------ issue 16
+
+
+def test_reasoning_split_on_the_think_markers_is_verbatim():
+    """The split of a generated text: the think start the prompt opened is put back in front;
+    unclosed reasoning (a cut turn) is all reasoning; no block is all content."""
+    think = ThinkMarkers("<think>", "</think>")
+    assert split_reasoning("Plan.</think>Answer.", think, True) == ("Plan.", "Answer.")
+    assert split_reasoning("Still thinking", think, True) == ("Still thinking", "")
+    assert split_reasoning("<think>Plan.</think>Hi", think, False) == ("Plan.", "Hi")
+    assert split_reasoning("Just text", think, False) == (None, "Just text")
+    assert split_reasoning("Plan.</think>Hi", None, True) == (None, "Plan.</think>Hi")
+
+
+@pytest.mark.server
+def test_a_row_stops_at_its_first_cut_turn(tmp_path, llama_server, capsys):
+    """Turn 2 of a two-turn row is cut at the limit: it ends the row (no turn 4 generated on
+    top of it), and the summary and report count the cut row and the turn not generated."""
+    dataset = write_jsonl(tmp_path / "d.jsonl", [openai_row(CONV, id="two-turns")])
+    out = tmp_path / "out.jsonl"
+    assert regenerate(llama_server, dataset, out, "--max-new-tokens", "2") == 0
+    [row] = read_rows(out)
+    meta = row[ROW_FIELD]
+    assert (meta["turns"], meta["finish_reasons"], meta["cut_at"]) == ([2], ["length"], 2)
+    assert meta["turns_not_generated"] == 1 and meta["cut"]
+    assert len(row["messages"]) == 3 and len(row["messages"][2]["token_ids"]) == 2
+    rep = report_of(out)
+    assert rep["cut_rows"] == ["two-turns"] and rep["turns_not_generated"] == 1
+    assert rep["turns"] == 1 and rep["finish_reasons"] == {"length": 1}
+    assert "1 rows stop at their cut turn (finish length" in capsys.readouterr().out
+
+
+@pytest.mark.server
+def test_train_only_regenerated_masks_the_kept_agent_turns(tmp_path, llama_server, tokenizer):
+    """--train-only-regenerated: the agent trace's kept original call turn is "train": false,
+    and hsdump extract trains only the regenerated last turn (prompt + its generated ids)."""
+    dataset = write_jsonl(tmp_path / "d.jsonl", [{**AGENT, "id": "agent-only"}])
+    regen = tmp_path / "regen.jsonl"
+    assert regenerate(llama_server, dataset, regen, "--train-only-regenerated") == 0
+    [row] = read_rows(regen)
+    msgs = row["messages"]
+    assert row[ROW_FIELD]["turns"] == [3] and row[ROW_FIELD]["train_only_regenerated"]
+    assert msgs[1]["train"] is False and "train" not in msgs[3]
+    out = tmp_path / "eagle3"
+    assert cli(["extract", "--server", llama_server.url, "--dump-dir", str(llama_server.dump_dir),
+                "--dataset", str(regen), "--out", str(out), "--no-progress"]) == 0
+    recs = dict(iter_records(out))
+    assert list(recs) == ["agent-only"]  # one sample: the regenerated turn only
+    rec = recs["agent-only"]
+    want = prompt_ids(tokenizer, msgs[:3], row["tools"])
+    gen = msgs[3]["token_ids"]
+    assert rec["input_ids"].reshape(-1).tolist() == want + gen
+    assert rec["loss_mask"].reshape(-1).tolist() == [0] * len(want) + [1] * len(gen)
+
+
+@pytest.mark.server
+def test_sampling_defaults_to_the_served_chat_api_never_silently_greedy(
+        tmp_path, llama_server, tiny_models, capsys):
+    """No flags: the model's generation_config.json keys (as SGLang reads them under
+    --sampling-defaults model), else SGLang's chat defaults (temperature 1); printed and
+    recorded in the report and in every row; --seed on a server without deterministic
+    inference is named as ineffective."""
+    dataset = write_jsonl(tmp_path / "d.jsonl", [openai_row([("user", "Hi")], id="s")])
+    out = tmp_path / "default.jsonl"
+    assert regenerate(llama_server, dataset, out, greedy=False) == 0
+    rep = report_of(out)
+    assert rep["sampling"] == SERVER_DEFAULTS
+    assert set(rep["sampling_source"].values()) == {"sglang default"}
+    assert read_rows(out)[0][ROW_FIELD]["sampling"] == SERVER_DEFAULTS
+    assert "temperature=1.0 (sglang default)" in capsys.readouterr().err
+
+    model = tmp_path / "model"  # the tokenizer, with a generation config that samples
+    shutil.copytree(tiny_models / "tiny-llama", model,
+                    ignore=shutil.ignore_patterns("*.safetensors"))
+    gen = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps(
+        {**gen, "temperature": 0.6, "top_p": 0.95}))
+    out = tmp_path / "model.jsonl"
+    assert regenerate(llama_server, dataset, out, "--model", str(model), "--seed", "7",
+                      greedy=False) == 0
+    rep = report_of(out)
+    assert rep["sampling"] == {**SERVER_DEFAULTS, "temperature": 0.6, "top_p": 0.95,
+                               "sampling_seed": 7}
+    assert rep["sampling_source"]["top_p"] == "generation_config.json"
+    err = capsys.readouterr().err
+    assert "top_p=0.95 (generation_config.json)" in err
+    assert "--seed has no effect on this server" in err
+
+
+def _served_prompt(server, messages: list[dict], tools, kwargs) -> list[int]:
+    """The prompt ids the server's own chat API serves for ``messages``."""
+    body = {"model": "default", "max_tokens": 1, "return_prompt_token_ids": True,
+            "messages": [{k: v for k, v in m.items() if k not in ("token_ids", "train")}
+                         for m in messages]}
+    if tools:
+        body["tools"] = tools
+    if kwargs:
+        body["chat_template_kwargs"] = kwargs
+    r = requests.post(f"{server.url}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["prompt_token_ids"]
+
+
+@pytest.mark.server
+def test_kimi_thinking_turns_split_faithfully_and_prompts_equal_the_servers(
+        tmp_path, kimi_server, tiny_kimi):
+    """A two-turn thinking row on the tiny Kimi-K2.5 (no --reasoning-parser on the server):
+    the generation prompt opens <think>, so turn 1's text is reasoning (its think start put
+    back), not content; each turn's prompt equals the server's own chat rendering of the
+    regenerated messages before it (so turn 3 sees turn 1 as the template treats past
+    reasoning). Turn 1 is ended by a stop token, so that turn 3 is generated after it."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_kimi[0], trust_remote_code=True)
+    client = RegenClient(kimi_server.url, request_timeout=120, retries=0, retry_wait=0.1)
+    row = openai_row(CONV[1:], id="kimi-think-2")
+    plan = plan_row(row, "t")
+    first = prompt_ids(tok, plan.messages[:1])
+    greedy = kimi_server.server.generate(first, max_new_tokens=NEW)["output_ids"]
+    settings = Settings(server=kimi_server.url, out=tmp_path / "o.jsonl", max_new_tokens=NEW,
+                        sampling={"temperature": 0.0, "stop_token_ids": [greedy[2]]})
+    regen = Regenerator(settings, client, tok, {}, None)
+    res = regen.process("kimi-think-2", row, plan)
+    msgs = res.row["messages"]
+    assert res.row[ROW_FIELD]["turns"] == [1, 3] and res.finish[0] == "stop"
+    one = msgs[1]
+    text = decode(tok, one["token_ids"])
+    assert one["content"] == "" and text.startswith(one["reasoning_content"])
+    assert one["reasoning_content"].strip()  # the reasoning is not lost into content
+    for k in res.row[ROW_FIELD]["turns"]:
+        ids, opened = regen.prompt(msgs[:k], None)
+        assert opened and tok.decode(ids[-1:]) == "<think>"
+        assert ids == _served_prompt(kimi_server, msgs[:k], None, None), k
+        assert msgs[k]["token_ids"] == kimi_server.server.generate(
+            ids, max_new_tokens=NEW, sampling_params={
+                "max_new_tokens": NEW, "temperature": 0, "stop_token_ids": [greedy[2]]}
+        )["output_ids"], k
+    # turn 3's history holds turn 1 as the template renders past reasoning: <think></think>
+    assert "<think></think><|im_end|>" in decode(tok, regen.prompt(msgs[:3], None)[0])
+
+
+@pytest.mark.server
+def test_chat_template_kwargs_thinking_off(tmp_path, kimi_server, tiny_kimi):
+    """--chat-template-kwargs '{"thinking": false}': the prompt ends in <think></think> as the
+    server's chat API renders it with those kwargs; the answer is all content; the kwargs are
+    recorded."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_kimi[0], trust_remote_code=True)
+    dataset = write_jsonl(tmp_path / "d.jsonl", [openai_row(CONV[1:2], id="instant")])
+    out = tmp_path / "o.jsonl"
+    kwargs = {"thinking": False}
+    assert regenerate(kimi_server, dataset, out, "--chat-template-kwargs",
+                      json.dumps(kwargs)) == 0
+    [row] = read_rows(out)
+    assert row[ROW_FIELD]["chat_template_kwargs"] == kwargs
+    assert report_of(out)["chat_template_kwargs"] == kwargs
+    msgs = row["messages"]
+    ids = prompt_ids(tok, msgs[:1], None, kwargs)
+    assert decode(tok, ids).endswith("<think></think>")
+    assert ids == _served_prompt(kimi_server, msgs[:1], None, kwargs)
+    assert msgs[1]["token_ids"] == kimi_server.server.generate(ids, max_new_tokens=NEW)[
+        "output_ids"]
+    assert "reasoning_content" not in msgs[1] and msgs[1]["content"]  # no block: all content

@@ -184,10 +184,11 @@ def parse_conversation(obj: dict[str, Any]) -> Conversation:
 
 
 def prompt_text(tokenizer: Any, messages: Sequence[dict[str, Any]],
-                tools: list[dict[str, Any]] | None = None) -> str:
+                tools: list[dict[str, Any]] | None = None,
+                template_kwargs: dict[str, Any] | None = None) -> str:
     """The serving-time prompt text before the next assistant turn."""
     return tokenizer.apply_chat_template(list(messages), tools=tools, tokenize=False,
-                                         add_generation_prompt=True)
+                                         add_generation_prompt=True, **(template_kwargs or {}))
 
 
 def encode(tokenizer: Any, text: str) -> list[int]:
@@ -206,12 +207,14 @@ def decodes_to(tokenizer: Any, ids: list[int], text: str) -> bool:
 
 
 def prompt_ids(tokenizer: Any, messages: Sequence[dict[str, Any]],
-                  tools: list[dict[str, Any]] | None = None) -> list[int]:
+               tools: list[dict[str, Any]] | None = None,
+               template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """The prompt ids of the assistant turn that follows ``messages``, as the server sees them.
 
     The one place a turn's prompt is made: extraction and ``hsdump regenerate`` both use it.
+    ``template_kwargs`` are the request's ``chat_template_kwargs`` (e.g. ``{"thinking": false}``).
     """
-    return encode(tokenizer, prompt_text(tokenizer, messages, tools))
+    return encode(tokenizer, prompt_text(tokenizer, messages, tools, template_kwargs))
 
 
 class ChatRenderer:
@@ -283,16 +286,19 @@ class ChatRenderer:
         return text
 
     def _turns(self, conv: Conversation) -> list[int]:
-        """Indices of trained assistant turns: those after the first user message."""
+        """Indices of trained assistant turns: those after the first user message, less those
+        marked ``"train": false`` (kept as prompt, e.g. by ``hsdump regenerate
+        --train-only-regenerated``)."""
         first_user = next((i for i, m in enumerate(conv.messages) if m["role"] == "user"), None)
         if first_user is None:
             raise ConversationError("the conversation has no user message, so no assistant "
                                     "turn answers anything; nothing to train on")
         turns = [i for i, m in enumerate(conv.messages)
-                 if m["role"] == "assistant" and i > first_user]
+                 if m["role"] == "assistant" and i > first_user and m.get("train") is not False]
         if not turns:
-            raise ConversationError("the conversation has no assistant turn after a user "
-                                    "message; nothing to train on")
+            raise ConversationError("the conversation has no assistant turn to train after a "
+                                    'user message (none, or all "train": false); nothing to '
+                                    "train on")
         return turns
 
     def _completion(self, conv: Conversation, k: int, prompt: str) -> tuple[str, list[int]]:

@@ -4,8 +4,10 @@ Each chat row's assistant turns are generated anew by the server (see ``regen_pl
 multi-turn and agent-trace policy). A turn's prompt is rendered exactly as ``hsdump extract``
 renders it and sent as ``input_ids`` to ``/generate``; the answer keeps the generated token
 ids (``token_ids``) beside its text, split into ``reasoning_content`` / ``content`` /
-``tool_calls`` by SGLang's own parsers when the server runs with ``--reasoning-parser`` /
-``--tool-call-parser``. ``hsdump extract`` reads the output as is and uses those token ids
+``tool_calls``: the reasoning on the model's think markers (with the think start the prompt
+opened, so the split is the model's own), through SGLang's parsers when the server runs with
+``--reasoning-parser`` / ``--tool-call-parser``. A row stops at its first turn cut at
+``--max-new-tokens``. ``hsdump extract`` reads the output as is and uses those token ids
 verbatim. Requests carry rids without the dump prefix, so a dump-enabled server dumps nothing.
 Output rows are written exactly once (``rowlog``), in dataset order at the end of each run.
 """
@@ -30,7 +32,7 @@ from tqdm import tqdm
 
 from hsdump_patch import protocol
 from hsdump_patch.client import extract as ex
-from hsdump_patch.client.conversation import prompt_ids
+from hsdump_patch.client.conversation import ThinkMarkers, encode, prompt_text
 from hsdump_patch.client.dataset import SampleError, Shard, _parse_line, index_dataset
 from hsdump_patch.client.regen_plan import AGENT_POLICIES, DEFAULT_AGENT_POLICY, Plan, plan_row
 from hsdump_patch.client.report import (
@@ -49,6 +51,11 @@ ROW_FIELD = "regenerated"  # the per-row record of what was done
 # The keys SGLang itself takes from generation_config.json under --sampling-defaults model
 # (sglang 0.5.23 srt/configs/model_config.py, ModelConfig.get_default_sampling_params).
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# What SGLang's chat API uses for a key that neither the request nor the model's generation
+# config sets (sglang 0.5.23 srt/entrypoints/openai/protocol.py,
+# ChatCompletionRequest._DEFAULT_SAMPLING_PARAMS): sampling at temperature 1, never greedy.
+SERVER_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+                   "repetition_penalty": 1.0}
 
 
 class RowFailed(RuntimeError):
@@ -59,31 +66,57 @@ class RowFailed(RuntimeError):
 
 
 def model_sampling(model: str, trust_remote_code: bool) -> dict[str, Any]:
-    """The model's ``generation_config`` sampling settings, or greedy.
-
-    Greedy (temperature 0) when there is no generation config, it sets no positive
-    temperature, or it says ``do_sample: false``.
-    """
+    """The sampling keys the model's ``generation_config.json`` sets, read as SGLang reads them
+    (``ModelConfig.get_default_sampling_params``: every key that is not None); {} without one."""
     from transformers import GenerationConfig
 
     try:
         config = GenerationConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
     except OSError:
-        return {"temperature": 0.0}
-    values = config.to_diff_dict()
-    if values.get("do_sample") is False or not (values.get("temperature") or 0) > 0:
-        return {"temperature": 0.0}
+        return {}
+    values = config.to_dict()
     return {k: values[k] for k in SAMPLING_KEYS if values.get(k) is not None}
 
 
-def resolve_sampling(args: argparse.Namespace, model: str, trust: bool) -> dict[str, Any]:
-    """Flags win over the model's generation config, which wins over greedy."""
-    sampling = model_sampling(model, trust)
+def resolve_sampling(args: argparse.Namespace, model: str, trust: bool,
+                     server_args: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """The sampling of every request and where each key comes from.
+
+    As the served chat API resolves a request that sets nothing: per key, the flag, else the
+    model's ``generation_config.json`` (when the server's ``--sampling-defaults`` is ``model``,
+    SGLang's default), else SGLang's own chat default (:data:`SERVER_DEFAULTS`).
+    """
+    sampling, source = dict(SERVER_DEFAULTS), dict.fromkeys(SERVER_DEFAULTS, "sglang default")
+    if server_args.get("sampling_defaults", "model") == "model":
+        model_values = model_sampling(model, trust)
+        sampling.update(model_values)
+        source.update(dict.fromkeys(model_values, "generation_config.json"))
     for key in (*SAMPLING_KEYS, "sampling_seed"):
         value = getattr(args, key)
         if value is not None:
-            sampling[key] = value
-    return sampling
+            sampling[key], source[key] = value, "flag"
+    return sampling, source
+
+
+def split_reasoning(text: str, think: ThinkMarkers | None, opened: bool
+                    ) -> tuple[str | None, str]:
+    """``(reasoning, content)`` of generated ``text`` on the model's think markers, verbatim.
+
+    ``opened``: the prompt ended with the think start, so the model began inside the block.
+    Reasoning that never closes (a turn cut at the limit) is all reasoning; text that opens no
+    block is all content (reasoning None).
+    """
+    if think is None:
+        return None, text
+    if opened:
+        text = think.start + text
+    if not text.lstrip().startswith(think.start):
+        return None, text
+    inner = text.lstrip()[len(think.start):]
+    end = inner.find(think.end)
+    if end < 0:
+        return inner, ""
+    return inner[:end], inner[end + len(think.end):]
 
 
 # ------------------------------------------------------------------------------ HTTP
@@ -117,6 +150,9 @@ class Settings:
     server: str
     out: Path
     sampling: dict[str, Any]
+    sampling_source: dict[str, str] = field(default_factory=dict)
+    chat_template_kwargs: dict[str, Any] | None = None
+    train_only_regenerated: bool = False
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     concurrency: int = DEFAULT_CONCURRENCY
     agent_policy: str = DEFAULT_AGENT_POLICY
@@ -134,6 +170,7 @@ class RowResult:
     prompt_tokens: int
     tokens: int
     finish: list[str]
+    not_generated: int = 0  # planned turns after a cut turn
 
 
 def _tool_call_id(parser: str | None, row_id: str, turn: int, call: dict[str, Any],
@@ -163,8 +200,19 @@ class Regenerator:
         self.tokenizer = tokenizer
         self.reasoning_parser = parsers.get("reasoning_parser")
         self.tool_call_parser = parsers.get("tool_call_parser")
+        self.think = (ThinkMarkers.from_reasoning_parser(self.reasoning_parser)
+                      if self.reasoning_parser else ThinkMarkers.from_vocab(tokenizer))
         self.max_tokens = max_tokens
         self._render_lock = threading.Lock()  # one tokenizer, shared by the worker threads
+
+    def prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+               ) -> tuple[list[int], bool]:
+        """A turn's prompt ids, and whether the prompt opened the think block."""
+        kwargs = (self.s.chat_template_kwargs if self.s is not None else None)
+        with self._render_lock:
+            text = prompt_text(self.tokenizer, messages, tools, kwargs)
+            ids = encode(self.tokenizer, text)
+        return ids, bool(self.think and text.endswith(self.think.start))
 
     def _generate(self, ids: list[int]) -> dict[str, Any]:
         max_new = self.s.max_new_tokens
@@ -185,16 +233,26 @@ class Regenerator:
         return out
 
     def _message(self, out: dict[str, Any], plan: Plan, row_id: str, turn: int,
-                 history_calls: int) -> dict[str, Any]:
-        """The assistant message of one answer, split by the server's parsers."""
-        msg: dict[str, Any] = {"role": "assistant", "content": out["text"]}
+                 history_calls: int, opened: bool = False) -> dict[str, Any]:
+        """The assistant message of one answer: reasoning split on the think markers (by the
+        server's parser when it has one), with the think start the prompt ``opened`` put back
+        in front, as SGLang's chat API does with ``force_reasoning``; then the tool calls."""
+        text = out["text"]
+        msg: dict[str, Any] = {"role": "assistant", "content": text}
         if self.reasoning_parser:
+            if opened and self.think:
+                text = self.think.start + text
             sep = self.client.post("/separate_reasoning", {
-                "text": msg["content"], "reasoning_parser": self.reasoning_parser})
+                "text": text, "reasoning_parser": self.reasoning_parser})
             msg["content"] = sep["text"]
             if sep.get("reasoning_text"):
                 msg["reasoning_content"] = sep["reasoning_text"]
-        if self.tool_call_parser and plan.tools:
+        else:
+            reasoning, msg["content"] = split_reasoning(text, self.think, opened)
+            if reasoning is not None:
+                msg["reasoning_content"] = reasoning
+        cut = (out.get("meta_info", {}).get("finish_reason") or {}).get("type") == "length"
+        if self.tool_call_parser and plan.tools and not cut:
             parsed = self.client.post("/parse_function_call", {
                 "text": msg["content"], "tool_call_parser": self.tool_call_parser,
                 "tools": plan.tools})
@@ -209,36 +267,54 @@ class Regenerator:
         return msg
 
     def process(self, row_id: str, obj: dict[str, Any], plan: Plan) -> RowResult:
-        """Regenerate the planned turns of one row; raise RowFailed (or ServerDown)."""
+        """Regenerate the planned turns of one row; raise RowFailed (or ServerDown).
+
+        The row stops at its first turn cut at the limit (finish ``length``): that turn ends
+        the row (later messages are dropped, so it is never the history of a later turn) and
+        keeps its generated ids, which extraction uses verbatim (a cut prefix, no end of turn).
+        """
         messages = [dict(m) for m in plan.messages]
         prompt_tokens = tokens = 0
         finish: list[str] = []
+        done: list[int] = []
         for turn in plan.turns:
             try:
-                with self._render_lock:
-                    ids = prompt_ids(self.tokenizer, messages[:turn], plan.tools)
+                ids, opened = self.prompt(messages[:turn], plan.tools)
             except Exception as e:  # template errors come as jinja2 / ValueError / TypeError
                 raise RowFailed(f"message {turn}: the chat template failed: {e}") from None
             try:
                 out = self._generate(ids)
                 history = sum(len(m.get("tool_calls") or ()) for m in messages[:turn])
-                msg = self._message(out, plan, row_id, turn, history)
+                msg = self._message(out, plan, row_id, turn, history, opened)
             except RowFailed as e:
                 raise RowFailed(f"message {turn}: {e}") from None
             messages[turn:turn + 1] = [msg]
             prompt_tokens += len(ids)
             tokens += len(msg["token_ids"])
+            done.append(turn)
             finish.append((out["meta_info"].get("finish_reason") or {}).get("type", "unknown"))
-        record = {"policy": plan.mode, "agent_trace": plan.agent, "turns": plan.turns,
-                  "finish_reasons": finish, "cut": "length" in finish,
-                  "sampling": self.s.sampling, "max_new_tokens": self.s.max_new_tokens}
+            if finish[-1] == "length":
+                del messages[turn + 1:]
+                break
+        cut_at = done[-1] if finish and finish[-1] == "length" else None
+        if self.s.train_only_regenerated:  # the kept original turns become prompt only
+            for k, m in enumerate(messages):
+                if m["role"] == "assistant" and k not in done:
+                    m["train"] = False
+        record = {"policy": plan.mode, "agent_trace": plan.agent, "turns": done,
+                  "finish_reasons": finish, "cut": cut_at is not None, "cut_at": cut_at,
+                  "turns_not_generated": len(plan.turns) - len(done),
+                  "train_only_regenerated": self.s.train_only_regenerated,
+                  "sampling": self.s.sampling, "sampling_source": self.s.sampling_source,
+                  "chat_template_kwargs": self.s.chat_template_kwargs,
+                  "max_new_tokens": self.s.max_new_tokens}
         # the normalized conversation replaces the row's own (a top-level system prompt is in it)
         row = {k: v for k, v in obj.items() if k not in ("messages", "conversations", "system")}
         row.update(id=obj.get("id", row_id), messages=messages)
         if plan.tools is not None:
             row["tools"] = plan.tools
         row[ROW_FIELD] = record
-        return RowResult(row, prompt_tokens, tokens, finish)
+        return RowResult(row, prompt_tokens, tokens, finish, len(plan.turns) - len(done))
 
 
 # ------------------------------------------------------------------------------ report
@@ -255,11 +331,15 @@ class RegenReport(RunReport):
     sampling: dict[str, Any]
     max_new_tokens: int
     agent_policy: str
+    sampling_source: dict[str, str] = field(default_factory=dict)
+    chat_template_kwargs: dict[str, Any] | None = None
+    train_only_regenerated: bool = False
     rows: int = 0
     turns: int = 0
     prompt_tokens: int = 0
     finish_reasons: dict[str, int] = field(default_factory=dict)
     cut_rows: list[str] = field(default_factory=list)
+    turns_not_generated: int = 0  # planned turns after a cut turn
     agent_rows_last_turn: int = 0
     rows_in_output: int = 0
 
@@ -272,7 +352,14 @@ class RegenReport(RunReport):
             self.finish_reasons[reason] = self.finish_reasons.get(reason, 0) + 1
         if "length" in res.finish:
             self.cut_rows.append(row_id)
+        self.turns_not_generated += res.not_generated
         self.agent_rows_last_turn += res.row[ROW_FIELD]["policy"] == "last-turn"
+
+
+def sampling_line(sampling: dict[str, Any], source: dict[str, str]) -> str:
+    """``sampling temperature=1.0 (flag), ...``: each key with where it comes from."""
+    return "sampling " + ", ".join(
+        f"{k}={v} ({source.get(k, '?')})" for k, v in sampling.items())
 
 
 def print_summary(report: RegenReport, report_path: Path) -> None:
@@ -287,14 +374,16 @@ def print_summary(report: RegenReport, report_path: Path) -> None:
         ("tokens generated", f"{report.tokens:,}"),
         ("prompt tokens", f"{report.prompt_tokens:,}"),
         ("finish reasons", finish or "-"),
-        ("cut at the limit", f"{len(report.cut_rows):,} rows (--max-new-tokens "
-                             f"{report.max_new_tokens})"),
+        ("cut at the limit", f"{len(report.cut_rows):,} rows stop at their cut turn (finish "
+                             f"length, --max-new-tokens {report.max_new_tokens}); "
+                             f"{report.turns_not_generated:,} later turns not generated"),
         ("agent rows", f"{report.agent_rows_last_turn:,} with only the last turn regenerated"),
         ("wall time", f"{report.wall_s:.1f} s"),
         ("throughput", f"{report.tokens_per_s:,.0f} generated tokens/s"),
         ("output", f"{report.rows_in_output:,} rows in {report.out}"),
     ]
-    print(f"hsdump regenerate: shard {report.shard}, sampling {json.dumps(report.sampling)}")
+    sampling = sampling_line(report.sampling, report.sampling_source)
+    print(f"hsdump regenerate: shard {report.shard}, {sampling}")
     print(format_table(rows))
     print_issues(report)
     if report.cut_rows:
@@ -383,7 +472,13 @@ def regenerate(args: argparse.Namespace) -> RegenReport:
     model = args.model or model_info.get("tokenizer_path") or model_info.get("model_path")
     server_args = client.server_args()
     trust = args.trust_remote_code or bool(server_args.get("trust_remote_code"))
-    s = settings_from_args(args, resolve_sampling(args, model, trust))
+    sampling, source = resolve_sampling(args, model, trust, server_args)
+    s = settings_from_args(args, sampling)
+    s.sampling_source = source
+    print(f"hsdump regenerate: {sampling_line(sampling, source)}", file=sys.stderr)
+    if "sampling_seed" in sampling and not server_args.get("enable_deterministic_inference"):
+        print("hsdump regenerate: warning: --seed has no effect on this server: SGLang 0.5.23 "
+              "uses sampling_seed only under --enable-deterministic-inference", file=sys.stderr)
     dataset: Path = args.dataset
     tokenizer = ex.load_tokenizer(model, trust)
     if not getattr(tokenizer, "chat_template", None):
@@ -400,7 +495,10 @@ def regenerate(args: argparse.Namespace) -> RegenReport:
     bad = [e for e in bad if shard.contains(e.sample_id or e.where)]
     report = RegenReport(shard=str(shard), out=str(s.out), dataset=str(dataset),
                          server=s.server, sampling=s.sampling,
-                         max_new_tokens=s.max_new_tokens, agent_policy=s.agent_policy)
+                         max_new_tokens=s.max_new_tokens, agent_policy=s.agent_policy,
+                         sampling_source=s.sampling_source,
+                         chat_template_kwargs=s.chat_template_kwargs,
+                         train_only_regenerated=s.train_only_regenerated)
     with RowLog(s.out) as log:
         todo = [r for r in refs if r.id not in log.done]
         report.already_done = len(refs) - len(todo)
@@ -434,18 +532,30 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--model", default=None,
                    help="model dir or hub id for the tokenizer, chat template and "
                         "generation_config (default: the server's tokenizer path)")
-    g = p.add_argument_group("sampling (default: the model's generation_config.json, else "
-                             "greedy)")
+    g = p.add_argument_group(
+        "sampling (default: what the served chat API uses: the model's generation_config.json "
+        "under the server's --sampling-defaults model, else SGLang's defaults; printed and "
+        "recorded in the output)")
     g.add_argument("--temperature", type=float, default=None,
-                   help="default: generation_config, else 0 (greedy)")
-    g.add_argument("--top-p", type=float, default=None, help="default: generation_config, else 1")
+                   help="default: generation_config, else 1.0 (0 is greedy)")
+    g.add_argument("--top-p", type=float, default=None,
+                   help="default: generation_config, else 1.0")
     g.add_argument("--top-k", type=int, default=None,
                    help="default: generation_config, else -1 (all)")
     g.add_argument("--min-p", type=float, default=None, help="default: generation_config, else 0")
     g.add_argument("--repetition-penalty", type=float, default=None,
                    help="default: generation_config, else 1")
     g.add_argument("--seed", dest="sampling_seed", type=int, default=None,
-                   help="sampling seed sent with each request (default: none)")
+                   help="sampling seed sent with each request; SGLang uses it only when the "
+                        "server runs with --enable-deterministic-inference (default: none)")
+    p.add_argument("--chat-template-kwargs", type=_json_object, default=None,
+                   help="JSON object passed to the chat template, as the chat API's "
+                        """chat_template_kwargs, e.g. '{"thinking": false}'; recorded in the """
+                        "output (default: none)")
+    p.add_argument("--train-only-regenerated", action="store_true",
+                   help="mark the original assistant turns a row keeps (agent traces under "
+                        '--agent-policy last) "train": false, so hsdump extract masks them out '
+                        "and trains only the regenerated turns (default off: kept turns train)")
     p.add_argument("--reasoning-parser", default=None,
                    help="SGLang reasoning parser that splits reasoning_content off each answer, "
                         "e.g. kimi_k2 (default: the server's --reasoning-parser; none: kept whole)")
@@ -486,6 +596,17 @@ def add_parser(subparsers: Any) -> None:
     p.set_defaults(func=main)
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    """A JSON object flag value."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """Parse ``hsdump regenerate`` flags, for callers that run it in-process."""
     parser = argparse.ArgumentParser(prog="hsdump")
@@ -497,6 +618,8 @@ def settings_from_args(args: argparse.Namespace, sampling: dict[str, Any]) -> Se
     """Settings from parsed flags and the resolved sampling."""
     return Settings(
         server=args.server, out=args.out, sampling=sampling,
+        chat_template_kwargs=args.chat_template_kwargs,
+        train_only_regenerated=args.train_only_regenerated,
         max_new_tokens=args.max_new_tokens, concurrency=args.concurrency,
         agent_policy=args.agent_policy, on_error=args.on_error,
         request_timeout=args.request_timeout, retries=args.retries,
