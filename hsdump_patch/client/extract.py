@@ -17,7 +17,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -107,9 +107,14 @@ class ServerClient:
             self._local.session = requests.Session()
         return self._local.session
 
-    def _request(self, method: str, path: str, **kw: Any) -> requests.Response:
+    def _request(self, method: str, path: str, *,
+                 before_attempt: Callable[[], None] | None = None,
+                 **kw: Any) -> requests.Response:
+        """Send, re-sending after connection errors; ``before_attempt`` runs before each try."""
         t0 = time.monotonic()
         for attempt in range(self.retries + 1):
+            if before_attempt is not None:
+                before_attempt()
             try:
                 return self._session().request(method, self.url + path, **kw)
             except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError) as e:
@@ -136,11 +141,14 @@ class ServerClient:
                 return r.json()
         return {}
 
-    def generate(self, rid: str, input_ids: list[int]) -> dict[str, Any]:
-        """Run a prefill-only request; return its ``meta_info``."""
+    def generate(self, rid: str, input_ids: list[int], *,
+                 before_attempt: Callable[[], None] | None = None) -> dict[str, Any]:
+        """Run a prefill-only request; return its ``meta_info``. ``before_attempt`` runs before
+        the first send and before every re-send after a connection error."""
         body = {"rid": rid, "input_ids": input_ids,
                 "sampling_params": {"max_new_tokens": 0, "temperature": 0}}
-        r = self._request("POST", "/generate", json=body, timeout=self.request_timeout)
+        r = self._request("POST", "/generate", json=body, timeout=self.request_timeout,
+                          before_attempt=before_attempt)
         if r.status_code != 200:
             text = r.text[:500]
             if "Duplicate request ID" in text:
@@ -210,12 +218,15 @@ class Extraction:
             assemble.remove_request(self.s.dump_dir, rid)
 
     def _send(self, rid: str, input_ids: list[int]) -> dict[str, Any]:
+        """Send the request. Every attempt starts from an empty directory: an attempt cut short
+        (a restarted server, a dropped connection) leaves chunks whose boundaries differ from
+        the next attempt's."""
         deadline = time.monotonic() + self.s.dump_timeout
         delay = 0.1
         while True:
-            self._clear_stale(rid)
             try:
-                return self.client.generate(rid, input_ids)
+                return self.client.generate(rid, input_ids,
+                                            before_attempt=lambda: self._clear_stale(rid))
             except _DuplicateRid:
                 if time.monotonic() > deadline:
                     raise SampleFailed(
