@@ -1,7 +1,10 @@
-"""Faults during an extraction (issue 21), against real CPU SGLang servers."""
+"""Faults during an extraction (issue 21), against real CPU SGLang servers: a server killed and
+restarted mid-run, two extractions sharing a server and sample ids."""
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+import json
 import os
 import signal
 import subprocess
@@ -12,10 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from hsdump_patch import protocol
+from hsdump_patch.client import records
 from tests.conftest import start_dump_server
 from tests.harness import server as srv
 from tests.test_client_dataset import write_jsonl
-from tests.test_client_extract import pre_tokenized, read_report
+from tests.test_client_extract import extract, pre_tokenized, read_report
 
 pytestmark = pytest.mark.server
 REPO = Path(__file__).resolve().parents[1]
@@ -89,4 +94,29 @@ def test_a_server_killed_and_restarted_mid_run_finishes_every_sample_in_the_same
         assert request_dirs(dump) == []
     finally:
         server.server.stop()
+
+
+def test_two_extractions_with_the_same_ids_on_one_server_never_touch_each_others_dumps(
+        tmp_path, llama_server):
+    """Same sample ids, different outputs, one server, at the same time: each run has its own
+    rids, so neither clears the other's dumps nor waits for them."""
+    rows = pre_tokenized(8, seed=32, lo=60, hi=120, prefix="same")
+    dataset = write_jsonl(tmp_path / "d.jsonl", rows)
+    dump_timeout = 150  # a run whose dump was taken fails after waiting this long
+    outs = [tmp_path / "a", tmp_path / "b"]
+    with cf.ThreadPoolExecutor(2) as pool:  # two runs at once, each with its own client
+        codes = list(pool.map(lambda out: extract(
+            llama_server, dataset, out, "--concurrency", "4", "--dump-timeout",
+            str(dump_timeout)), outs))
+    assert codes == [0, 0]
+    for out in outs:
+        rep = read_report(out)
+        assert (rep["ok"], rep["failed"]) == (len(rows), 0), rep["issues"]
+        assert rep["wall_s"] < dump_timeout / 3, "a run waited for a dump that was not its own"
+        check_records(out, rows)
+    run_ids = {json.loads((out / records.META_FILE).read_text())["run_id"] for out in outs}
+    assert len(run_ids) == 2
+    left = [protocol.rid_dirname(f"hsdump-{r}-{len(i)}-{i}") for r in run_ids
+            for i in (row["id"] for row in rows)]
+    assert set(left).isdisjoint(os.listdir(llama_server.dump_dir))
 

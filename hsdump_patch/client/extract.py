@@ -1,7 +1,7 @@
 """The ``hsdump extract`` sub-command: one training record per dataset sample.
 
 The dataset goes through a dump-enabled SGLang server. Per sample: a ``/generate`` request
-with the token ids, ``max_new_tokens`` 0 and the rid ``<prefix><id>``; a check of ``meta_info``
+with the token ids, ``max_new_tokens`` 0 and the rid of ``request_id``; a check of ``meta_info``
 (no cached tokens, the whole prompt counted); a wait for the done/error marker; the chunks
 read, cross-checked and assembled; the record written atomically to ``--out``; the request's
 files deleted from the dump dir. Requests run with bounded concurrency and bounded
@@ -177,6 +177,13 @@ def check_meta(meta: dict[str, Any], sent: int) -> str | None:
 # ------------------------------------------------------------------------------ one sample
 
 
+def request_id(prefix: str, run_id: str, sample_id: str) -> str:
+    """``<prefix><run id>-<len(id)>-<id>`` (docs/protocol.md): the run id keeps other
+    extractions' rids apart, the length makes sure no rid is the start of another (SGLang's
+    ``/abort_request`` aborts every request whose rid starts with the one given)."""
+    return f"{prefix}{run_id}-{len(sample_id)}-{sample_id}"
+
+
 @dataclass
 class Done:
     sample: Sample
@@ -192,21 +199,22 @@ _FATAL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
 class Extraction:
     """One run: samples in, records out (see the module docstring)."""
 
-    def __init__(self, settings: Settings, info: protocol.ServerInfo,
-                 client: ServerClient) -> None:
+    def __init__(self, settings: Settings, info: protocol.ServerInfo, client: ServerClient,
+                 run_id: str) -> None:
         self.s = settings
         self.info = info
         self.client = client
+        self.run_id = run_id
         # Reused read and assembly buffers (fresh ones page-fault on first touch), bounded by
         # the in-flight budget.
         self._chunk_bufs = buffers.BufferPool(settings.max_inflight_bytes)
         self._record_bufs = buffers.BufferPool(settings.max_inflight_bytes)
 
     def rid(self, sample_id: str) -> str:
-        return self.info.rid_prefix + sample_id
+        return request_id(self.info.rid_prefix, self.run_id, sample_id)
 
     def _clear_stale(self, rid: str) -> None:
-        """Remove a directory an earlier (killed) run left for this rid, once it is final.
+        """Remove what an earlier attempt or (killed) run left for this rid, once it is final.
 
         SGLang aborts the requests of a client that disconnects (kill -9), and an aborted
         request never gets a marker: a directory quiet for STALE_QUIET_S seconds is final too.
@@ -471,13 +479,13 @@ def extract(settings: Settings, dataset: Path, *, shard: Shard | None = None,
     rows = [r for r in rows if shard.contains(r.id)]
     bad_rows = [e for e in bad_rows if shard.contains(e.sample_id or e.where)]
     settings.out.mkdir(parents=True, exist_ok=True)
-    records.ensure_sidecar(settings.out, records.sidecar(
+    run_id = records.ensure_sidecar(settings.out, records.sidecar(
         settings.fmt, info, tokenizer=tokenizer_path, max_len=max_len, compress=settings.compress,
         trust_remote_code=trust))
 
     report = Report(shard=str(shard), fmt=settings.fmt, out=str(settings.out),
                     dataset=str(dataset), server=settings.server)
-    run = Extraction(settings, info, client)
+    run = Extraction(settings, info, client, run_id)
     with Manifest(settings.out, shard) as manifest:
         done = load_done(settings.out)
         remove_stale_temps(settings.out, {records.record_name(r.id, settings.fmt,
