@@ -1,5 +1,5 @@
 """Faults during an extraction (issue 21), against real CPU SGLang servers: a server killed and
-restarted mid-run, two extractions sharing a server and sample ids."""
+restarted mid-run, two extractions sharing a server and sample ids, a client-side timeout."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import requests
 import torch
 
 from hsdump_patch import protocol
@@ -120,3 +121,31 @@ def test_two_extractions_with_the_same_ids_on_one_server_never_touch_each_others
             for i in (row["id"] for row in rows)]
     assert set(left).isdisjoint(os.listdir(llama_server.dump_dir))
 
+
+def server_busy(url: str) -> int:
+    """Requests the server is running or has queued."""
+    loads = requests.get(f"{url}/v1/loads", params={"include": "core"}, timeout=30).json()
+    return sum(x["num_running_reqs"] + x["num_waiting_reqs"] for x in loads["loads"])
+
+
+def test_a_timed_out_request_is_aborted_and_leaves_no_directory_behind(tmp_path, llama_server):
+    """A prompt of ~110 prefill chunks and a request timeout far shorter than its prefill: the
+    client aborts it on the server and removes its directory once the server stopped writing."""
+    row = pre_tokenized(1, seed=33, lo=3500, hi=3500, prefix="slow")[0]
+    dataset = write_jsonl(tmp_path / "d.jsonl", [row])
+    out = tmp_path / "out"
+    log = llama_server.server.log_path
+    code = extract(llama_server, dataset, out, "--request-timeout", "0.5", "--on-error", "skip")
+    seen = log.stat().st_size
+    assert code == 3
+    rep = read_report(out)
+    assert rep["failed"] == 1 and "--request-timeout 0.5s" in rep["issues"][0]["reason"]
+    run_id = json.loads((out / records.META_FILE).read_text())["run_id"]
+    name = protocol.rid_dirname(f"hsdump-{run_id}-{len(row['id'])}-{row['id']}")
+    assert server_busy(llama_server.url) == 0
+    assert name not in os.listdir(llama_server.dump_dir)
+    time.sleep(2)  # nothing more is prefilled or written for it
+    assert name not in os.listdir(llama_server.dump_dir)
+    with open(log, errors="replace") as f:
+        f.seek(seen)
+        assert "Prefill batch" not in f.read()

@@ -156,6 +156,15 @@ class ServerClient:
             raise SampleFailed(f"the server answered HTTP {r.status_code}: {text}")
         return r.json().get("meta_info", {})
 
+    def abort(self, rid: str) -> bool:
+        """Ask the server to abort ``rid`` (SGLang's ``/abort_request``; it aborts every rid
+        that starts with this one); False when the server did not take it."""
+        try:
+            r = self._session().post(self.url + "/abort_request", json={"rid": rid}, timeout=30)
+        except requests.RequestException:
+            return False  # unreachable: a server that is down runs nothing
+        return r.status_code == 200
+
 
 def check_meta(meta: dict[str, Any], sent: int) -> str | None:
     """Return why a ``/generate`` answer shows the dump cannot be complete, or None."""
@@ -192,6 +201,24 @@ class Done:
     chunks: int
 
 
+def _wait_quiet(path: Path, quiet: float, timeout: float) -> None:
+    """Wait until ``path`` has not changed (appeared, gone, or new mtime) for ``quiet``
+    seconds; at most ``timeout``."""
+    t0 = since = time.monotonic()
+    last: int | None = None
+    while True:
+        try:
+            state: int | None = path.stat().st_mtime_ns
+        except FileNotFoundError:
+            state = None
+        now = time.monotonic()
+        if state != last:
+            last, since = state, now
+        elif now - since >= quiet or now - t0 >= timeout:
+            return
+        time.sleep(0.1)
+
+
 # Errors of the output disk that every following sample would hit too: stop the run.
 _FATAL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
 
@@ -225,6 +252,13 @@ class Extraction:
             assemble.wait_until_settled(self.s.dump_dir, rid, STALE_QUIET_S, self.s.dump_timeout)
             assemble.remove_request(self.s.dump_dir, rid)
 
+    def _abort(self, rid: str) -> None:
+        """Abort a request the client gave up on; remove its directory once the server has
+        stopped writing to it (an aborted request gets no marker: it stays quiet)."""
+        self.client.abort(rid)
+        _wait_quiet(protocol.rid_dir(self.s.dump_dir, rid), STALE_QUIET_S, self.s.dump_timeout)
+        assemble.remove_request(self.s.dump_dir, rid)
+
     def _send(self, rid: str, input_ids: list[int]) -> dict[str, Any]:
         """Send the request. Every attempt starts from an empty directory: an attempt cut short
         (a restarted server, a dropped connection) leaves chunks whose boundaries differ from
@@ -257,8 +291,9 @@ class Extraction:
         try:
             meta = self._send(rid, sample.input_ids)
         except requests.Timeout:
-            timeout = self.s.request_timeout
-            raise SampleFailed(f"no answer within --request-timeout {timeout:g}s") from None
+            self._abort(rid)
+            raise SampleFailed(f"no answer within --request-timeout {self.s.request_timeout:g}s "
+                               "(aborted on the server)") from None
         problem = check_meta(meta, len(sample.input_ids))
         if problem is None:
             status = assemble.wait_for_marker(dump, rid, self.s.dump_timeout)
