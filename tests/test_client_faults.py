@@ -135,11 +135,11 @@ def test_a_timed_out_request_is_aborted_and_leaves_no_directory_behind(tmp_path,
     dataset = write_jsonl(tmp_path / "d.jsonl", [row])
     out = tmp_path / "out"
     log = llama_server.server.log_path
-    code = extract(llama_server, dataset, out, "--request-timeout", "0.5", "--on-error", "skip")
+    code = extract(llama_server, dataset, out, "--request-timeout", "0.3", "--on-error", "skip")
     seen = log.stat().st_size
     assert code == 3
     rep = read_report(out)
-    assert rep["failed"] == 1 and "--request-timeout 0.5s" in rep["issues"][0]["reason"]
+    assert rep["failed"] == 1 and "--request-timeout 0.3s" in rep["issues"][0]["reason"]
     run_id = json.loads((out / records.META_FILE).read_text())["run_id"]
     name = protocol.rid_dirname(f"hsdump-{run_id}-{len(row['id'])}-{row['id']}")
     assert server_busy(llama_server.url) == 0
