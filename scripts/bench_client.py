@@ -43,11 +43,12 @@ import torch
 from hsdump_patch import __version__, protocol
 from hsdump_patch.client import records
 from hsdump_patch.client.dataset import Sample
-from hsdump_patch.client.extract import Extraction, Settings
+from hsdump_patch.client.extract import Extraction, Settings, request_id
 
 GB = 1e9
 GOAL = 0.80
 RID_PREFIX = "hsdump-"
+RUN_ID = "0123456789ab"  # the run id of the synthetic extraction (its rids: request_id)
 
 
 def server_info(hidden: int, layers: tuple[int, ...]) -> protocol.ServerInfo:
@@ -98,7 +99,7 @@ def make_dump(dump: Path, info: protocol.ServerInfo, samples: list[Sample], chun
     protocol.make_private_dir(dump)
     protocol.write_json_atomic(dump / protocol.SERVER_INFO, info.to_json())
     slots = len(info.layers) + 1
-    return sum(write_request(dump, info, RID_PREFIX + s.id, s.input_ids,
+    return sum(write_request(dump, info, request_id(RID_PREFIX, RUN_ID, s.id), s.input_ids,
                              pattern(i, len(s.input_ids), slots, info.hidden_size), chunk)
                for i, s in enumerate(samples))
 
@@ -153,7 +154,7 @@ def run_client(settings: Settings, info: protocol.ServerInfo, samples: list[Samp
     With ``refill``, every record is first written once untimed, then the dump refilled and
     the records deleted: the timed pass is a long run's steady state (buffers reused, warm).
     """
-    run = Extraction(settings, info, client=None)  # type: ignore[arg-type] - no HTTP here
+    run = Extraction(settings, info, None, RUN_ID)  # type: ignore[arg-type] - no HTTP here
     with cf.ThreadPoolExecutor(threads, thread_name_prefix="hsdump") as pool:
         if refill is not None:
             list(pool.map(run.write_record, samples))

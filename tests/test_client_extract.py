@@ -58,8 +58,11 @@ def read_report(out: Path, shard: str = "shard-0-of-1") -> dict:
 
 
 def rid_dirs(server, ids) -> list[str]:
-    names = {protocol.rid_dirname("hsdump-" + i) for i in ids}
-    return sorted(set(os.listdir(server.dump_dir)) & names)
+    """The request directories of these sample ids in the dump dir, of any extraction (rids
+    ``hsdump-<run id>-<len(id)>-<id>``)."""
+    ends = tuple(f"-{len(i)}-{i}" for i in ids)
+    return sorted(n for n in os.listdir(server.dump_dir)
+                  if n.startswith("hsdump-") and urllib.parse.unquote(n).endswith(ends))
 
 
 def record_files(out: Path, fmt: str = "eagle3") -> list[str]:

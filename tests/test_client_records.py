@@ -133,12 +133,13 @@ def test_save_atomic_leaves_nothing_when_writing_fails(tmp_path):
 def test_sidecar_is_written_once_and_guards_the_directory(tmp_path):
     info = server_info()
     meta = records.sidecar("eagle3", info, tokenizer="/m", max_len=None)
-    records.ensure_sidecar(tmp_path, meta)
+    run_id = records.ensure_sidecar(tmp_path, meta)
     saved = json.loads((tmp_path / records.META_FILE).read_text())
+    assert saved["run_id"] == run_id and len(run_id) == 12
     assert saved["layers"] == [1, 2, 3] and saved["dtype"] == "bfloat16"
     assert "output_hidden_states[i]" in saved["layer_convention"]
     assert saved["sglang_version"] == "0.5.23" and saved["hsdump_client_version"]
-    records.ensure_sidecar(tmp_path, meta)  # same configuration: fine
+    assert records.ensure_sidecar(tmp_path, meta) == run_id  # same configuration: fine
     other = records.sidecar("specforge", server_info(layers=(2, 3)), tokenizer="/m", max_len=None)
     with pytest.raises(ValueError, match=r"format: 'eagle3' -> 'specforge', layers"):
         records.ensure_sidecar(tmp_path, other)

@@ -1,7 +1,7 @@
 """The ``hsdump extract`` sub-command: one training record per dataset sample.
 
 The dataset goes through a dump-enabled SGLang server. Per sample: a ``/generate`` request
-with the token ids, ``max_new_tokens`` 0 and the rid ``<prefix><id>``; a check of ``meta_info``
+with the token ids, ``max_new_tokens`` 0 and the rid of ``request_id``; a check of ``meta_info``
 (no cached tokens, the whole prompt counted); a wait for the done/error marker; the chunks
 read, cross-checked and assembled; the record written atomically to ``--out``; the request's
 files deleted from the dump dir. Requests run with bounded concurrency and bounded
@@ -17,7 +17,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -109,9 +109,14 @@ class ServerClient:
             self._local.session = requests.Session()
         return self._local.session
 
-    def _request(self, method: str, path: str, **kw: Any) -> requests.Response:
+    def _request(self, method: str, path: str, *,
+                 before_attempt: Callable[[], None] | None = None,
+                 **kw: Any) -> requests.Response:
+        """Send, re-sending after connection errors; ``before_attempt`` runs before each try."""
         t0 = time.monotonic()
         for attempt in range(self.retries + 1):
+            if before_attempt is not None:
+                before_attempt()
             try:
                 return self._session().request(method, self.url + path, **kw)
             except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError) as e:
@@ -138,17 +143,29 @@ class ServerClient:
                 return r.json()
         return {}
 
-    def generate(self, rid: str, input_ids: list[int]) -> dict[str, Any]:
-        """Run a prefill-only request; return its ``meta_info``."""
+    def generate(self, rid: str, input_ids: list[int], *,
+                 before_attempt: Callable[[], None] | None = None) -> dict[str, Any]:
+        """Run a prefill-only request; return its ``meta_info``. ``before_attempt`` runs before
+        the first send and before every re-send after a connection error."""
         body = {"rid": rid, "input_ids": input_ids,
                 "sampling_params": {"max_new_tokens": 0, "temperature": 0}}
-        r = self._request("POST", "/generate", json=body, timeout=self.request_timeout)
+        r = self._request("POST", "/generate", json=body, timeout=self.request_timeout,
+                          before_attempt=before_attempt)
         if r.status_code != 200:
             text = r.text[:500]
             if "Duplicate request ID" in text:
                 raise _DuplicateRid(text)
             raise SampleFailed(f"the server answered HTTP {r.status_code}: {text}")
         return r.json().get("meta_info", {})
+
+    def abort(self, rid: str) -> bool:
+        """Ask the server to abort ``rid`` (SGLang's ``/abort_request``; it aborts every rid
+        that starts with this one); False when the server did not take it."""
+        try:
+            r = self._session().post(self.url + "/abort_request", json={"rid": rid}, timeout=30)
+        except requests.RequestException:
+            return False  # unreachable: a server that is down runs nothing
+        return r.status_code == 200
 
 
 def check_meta(meta: dict[str, Any], sent: int) -> str | None:
@@ -171,12 +188,37 @@ def check_meta(meta: dict[str, Any], sent: int) -> str | None:
 # ------------------------------------------------------------------------------ one sample
 
 
+def request_id(prefix: str, run_id: str, sample_id: str) -> str:
+    """``<prefix><run id>-<len(id)>-<id>`` (docs/protocol.md): the run id keeps other
+    extractions' rids apart, the length makes sure no rid is the start of another (SGLang's
+    ``/abort_request`` aborts every request whose rid starts with the one given)."""
+    return f"{prefix}{run_id}-{len(sample_id)}-{sample_id}"
+
+
 @dataclass
 class Done:
     sample: Sample
     file: str
     size: int
     chunks: int
+
+
+def _wait_quiet(path: Path, quiet: float, timeout: float) -> None:
+    """Wait until ``path`` has not changed (appeared, gone, or new mtime) for ``quiet``
+    seconds; at most ``timeout``."""
+    t0 = since = time.monotonic()
+    last: int | None = None
+    while True:
+        try:
+            state: int | None = path.stat().st_mtime_ns
+        except FileNotFoundError:
+            state = None
+        now = time.monotonic()
+        if state != last:
+            last, since = state, now
+        elif now - since >= quiet or now - t0 >= timeout:
+            return
+        time.sleep(0.1)
 
 
 # Errors of the output disk that every following sample would hit too: stop the run.
@@ -186,21 +228,22 @@ _FATAL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
 class Extraction:
     """One run: samples in, records out (see the module docstring)."""
 
-    def __init__(self, settings: Settings, info: protocol.ServerInfo,
-                 client: ServerClient) -> None:
+    def __init__(self, settings: Settings, info: protocol.ServerInfo, client: ServerClient,
+                 run_id: str) -> None:
         self.s = settings
         self.info = info
         self.client = client
+        self.run_id = run_id
         # Reused read and assembly buffers (fresh ones page-fault on first touch), bounded by
         # the in-flight budget.
         self._chunk_bufs = buffers.BufferPool(settings.max_inflight_bytes)
         self._record_bufs = buffers.BufferPool(settings.max_inflight_bytes)
 
     def rid(self, sample_id: str) -> str:
-        return self.info.rid_prefix + sample_id
+        return request_id(self.info.rid_prefix, self.run_id, sample_id)
 
     def _clear_stale(self, rid: str) -> None:
-        """Remove a directory an earlier (killed) run left for this rid, once it is final.
+        """Remove what an earlier attempt or (killed) run left for this rid, once it is final.
 
         SGLang aborts the requests of a client that disconnects (kill -9), and an aborted
         request never gets a marker: a directory quiet for STALE_QUIET_S seconds is final too.
@@ -211,13 +254,23 @@ class Extraction:
             assemble.wait_until_settled(self.s.dump_dir, rid, STALE_QUIET_S, self.s.dump_timeout)
             assemble.remove_request(self.s.dump_dir, rid)
 
+    def _abort(self, rid: str) -> None:
+        """Abort a request the client gave up on; remove its directory once the server has
+        stopped writing to it (an aborted request gets no marker: it stays quiet)."""
+        self.client.abort(rid)
+        _wait_quiet(protocol.rid_dir(self.s.dump_dir, rid), STALE_QUIET_S, self.s.dump_timeout)
+        assemble.remove_request(self.s.dump_dir, rid)
+
     def _send(self, rid: str, input_ids: list[int]) -> dict[str, Any]:
+        """Send the request. Every attempt starts from an empty directory: an attempt cut short
+        (a restarted server, a dropped connection) leaves chunks whose boundaries differ from
+        the next attempt's."""
         deadline = time.monotonic() + self.s.dump_timeout
         delay = 0.1
         while True:
-            self._clear_stale(rid)
             try:
-                return self.client.generate(rid, input_ids)
+                return self.client.generate(rid, input_ids,
+                                            before_attempt=lambda: self._clear_stale(rid))
             except _DuplicateRid:
                 if time.monotonic() > deadline:
                     raise SampleFailed(
@@ -240,8 +293,9 @@ class Extraction:
         try:
             meta = self._send(rid, sample.input_ids)
         except requests.Timeout:
-            timeout = self.s.request_timeout
-            raise SampleFailed(f"no answer within --request-timeout {timeout:g}s") from None
+            self._abort(rid)
+            raise SampleFailed(f"no answer within --request-timeout {self.s.request_timeout:g}s "
+                               "(aborted on the server)") from None
         problem = check_meta(meta, len(sample.input_ids))
         if problem is None:
             status = assemble.wait_for_marker(dump, rid, self.s.dump_timeout)
@@ -464,13 +518,13 @@ def extract(settings: Settings, dataset: Path, *, shard: Shard | None = None,
     rows = [r for r in rows if shard.contains(r.id)]
     bad_rows = [e for e in bad_rows if shard.contains(e.sample_id or e.where)]
     settings.out.mkdir(parents=True, exist_ok=True)
-    records.ensure_sidecar(settings.out, records.sidecar(
+    run_id = records.ensure_sidecar(settings.out, records.sidecar(
         settings.fmt, info, tokenizer=tokenizer_path, max_len=max_len, compress=settings.compress,
         trust_remote_code=trust, loss_mask=settings.loss_mask))
 
     report = Report(shard=str(shard), fmt=settings.fmt, out=str(settings.out),
                     dataset=str(dataset), server=settings.server)
-    run = Extraction(settings, info, client)
+    run = Extraction(settings, info, client, run_id)
     with Manifest(settings.out, shard) as manifest:
         done = load_done(settings.out)
         remove_stale_temps(settings.out, {records.record_name(r.id, settings.fmt,

@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import re
+import secrets
 import sys
 from pathlib import Path
 from typing import Any
@@ -232,8 +233,10 @@ def sidecar(fmt: str, info: protocol.ServerInfo, *, tokenizer: str | None,
     }
 
 
-def ensure_sidecar(out_dir: Path, meta: dict[str, Any]) -> None:
-    """Write the sidecar, or check that an existing one describes the same records."""
+def ensure_sidecar(out_dir: Path, meta: dict[str, Any]) -> str:
+    """Write the sidecar, or check that an existing one describes the same records; return
+    the directory's run id (``run_id``: made by its first run, kept by every later one, so a
+    resumed run finds its own leftovers in the dump dir and no other output's)."""
     path = out_dir / META_FILE
     if path.exists():
         old = json.loads(path.read_text())
@@ -245,5 +248,10 @@ def ensure_sidecar(out_dir: Path, meta: dict[str, Any]) -> None:
             raise ValueError(
                 f"{out_dir} already holds records made differently ({shown}); use a new --out "
                 "directory, or the same server configuration and --format as before")
-        return
+        if isinstance(old.get("run_id"), str) and old["run_id"]:
+            return old["run_id"]
+        meta = {**old, "run_id": secrets.token_hex(6)}  # a sidecar from before run ids
+    else:
+        meta = {**meta, "run_id": secrets.token_hex(6)}
     protocol.write_json_atomic(path, meta)
+    return meta["run_id"]
