@@ -8,6 +8,8 @@ spelled out as Kimi-K2.5's wire format (tests/test_kimi.py), token by token.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from hsdump_patch.client.conversation import ChatRenderer, parse_conversation
@@ -51,3 +53,123 @@ def test_quoted_header_keeps_every_turn_whole(kimi_tokenizer, row, want, policy)
         ids, mask = expected(kimi_tokenizer, segments)
         assert sample.input_ids == ids
         assert sample.loss_mask == mask
+
+
+THINK = "<think>"
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city (天气)",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+def _call(n: int, city: str) -> dict:
+    return {"id": f"functions.get_weather:{n}", "type": "function",
+            "function": {"name": "get_weather", "arguments": f'{{"city": "{city}"}}'}}
+
+
+# (row, chat_template_kwargs): short rows, each with a shape the renderer must keep faithful.
+ADVERSARIAL = [
+    ({"id": "quotes-no-system", "messages": [
+        {"role": "user", "content": f"Say {HEADER} and {THINK} and </think> and <|im_end|>."},
+        {"role": "assistant", "content": f"{HEADER} then </think> 好 🙂",
+         "reasoning_content": f"Quote {HEADER} 想"},
+        {"role": "user", "content": "再来 🎉"},
+        {"role": "assistant", "content": "Done."},
+    ]}, None),
+    ({"id": "parallel-calls-null-content", "tools": TOOLS, "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Paris and "},
+                                     {"type": "text", "text": "东京?"}]},
+        {"role": "assistant", "content": None, "reasoning_content": "Two calls.",
+         "tool_calls": [_call(0, "Paris"), _call(1, "东京")]},
+        {"role": "tool", "tool_call_id": "functions.get_weather:0",
+         "content": f"rain {THINK} {HEADER} <|im_end|>"},
+        {"role": "tool", "tool_call_id": "functions.get_weather:1", "content": "sun ☀️"},
+        {"role": "assistant", "content": "Checking once more.", "reasoning_content": "Again.",
+         "tool_calls": [_call(2, "Paris")]},
+        {"role": "tool", "tool_call_id": "functions.get_weather:2", "content": "still rain"},
+    ]}, None),
+    ({"id": "named-assistant", "messages": [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "name": "kimi", "content": "Hello!", "reasoning_content": "Greet."},
+        {"role": "user", "content": "Bye"},
+        {"role": "assistant", "name": "kimi", "content": "Bye!"},
+    ]}, None),
+    ({"id": "thinking-off", "messages": [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": f"And {HEADER}?"},
+        {"role": "assistant", "content": "5"},
+    ]}, {"thinking": False}),
+]
+
+
+def _served_prompt(url: str, row: dict, k: int, kwargs: dict | None) -> list[int]:
+    """The prompt ids SGLang serves for the row's messages before ``k`` (its own rendering)."""
+    import requests
+
+    body = {"model": "default", "messages": row["messages"][:k], "max_tokens": 1,
+            "return_prompt_token_ids": True}
+    if row.get("tools"):
+        body["tools"] = row["tools"]
+    if kwargs:
+        body["chat_template_kwargs"] = kwargs
+    r = requests.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["prompt_token_ids"]
+
+
+def _parsed(tok, ids: list[int], opened: bool, tools: list[dict] | None) -> dict:
+    """The assistant message SGLang's own Kimi-K2 parsers read from the emitted ``ids``."""
+    from sglang.srt.entrypoints.openai.protocol import Tool
+    from sglang.srt.function_call.kimik2_detector import KimiK2Detector
+    from sglang.srt.parser.reasoning_parser import ReasoningParser
+
+    text = tok.decode(ids)
+    assert text.endswith("<|im_end|>")
+    text = (THINK if opened else "") + text[: -len("<|im_end|>")]
+    reasoning, rest = ReasoningParser("kimi_k2").parse_non_stream(text)
+    calls = KimiK2Detector().detect_and_parse(
+        rest or "", [Tool.model_validate(t) for t in tools or []])
+    return {"reasoning": (reasoning or "").strip(), "content": calls.normal_text.strip(),
+            "calls": [(c.name, json.loads(c.parameters)) for c in calls.calls]}
+
+
+def _runs(mask: list[int]) -> list[tuple[int, int]]:
+    out, start = [], None
+    for i, m in enumerate([*mask, 0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            out.append((start, i))
+            start = None
+    return out
+
+
+@pytest.mark.server
+def test_every_trained_turn_follows_the_servers_own_prompt(kimi_server, kimi_tokenizer):
+    """For each record of an adversarial corpus: the ids before every trained run are exactly
+    what SGLang 0.5.23 serves for that turn's request (its /v1/chat/completions rendering,
+    ``return_prompt_token_ids``), and the run is exactly the turn as the model emits it (SGLang's
+    own Kimi-K2 reasoning and tool-call parsers give the message back)."""
+    tok = kimi_tokenizer
+    for row, kwargs in ADVERSARIAL:
+        conv = parse_conversation(row)
+        renderer = ChatRenderer(tok, template_kwargs=kwargs)
+        samples = renderer.render(conv)
+        turns = [k for k, m in enumerate(conv.messages) if m["role"] == "assistant"]
+        trained = []  # (turn index, ids before the run, the run's ids)
+        for s in samples:
+            runs = _runs(s.loss_mask)
+            ks = turns if len(samples) == 1 else [int(s.suffix[1:]) if s.suffix else turns[0]]
+            assert len(runs) == len(ks), (row["id"], s.suffix)
+            trained += [(k, s.input_ids[:a], s.input_ids[a:b])
+                        for k, (a, b) in zip(ks, runs, strict=True)]
+        assert sorted({k for k, _, _ in trained}) == turns, row["id"]
+        for k, before, run in trained:
+            assert before == _served_prompt(kimi_server.url, row, k, kwargs), (row["id"], k)
+            msg = conv.messages[k]
+            want = {"reasoning": "" if kwargs else (msg.get("reasoning_content") or "").strip(),
+                    "content": (msg["content"] or "").strip(),
+                    "calls": [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                              for c in msg.get("tool_calls") or []]}
+            assert _parsed(tok, run, not kwargs, row.get("tools")) == want, (row["id"], k)

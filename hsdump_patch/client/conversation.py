@@ -89,8 +89,9 @@ class TurnSample:
     loss_mask: list[int]
 
 
-def _text(value: Any, where: str) -> str | None:
-    """Message content as text: a string, None, or a list of ``{"type": "text"}`` parts."""
+def _text(value: Any, where: str, sep: str = "") -> str | None:
+    """Message content as text: a string, None, or a list of ``{"type": "text"}`` parts, joined
+    with ``sep``."""
     if value is None or isinstance(value, str):
         return value
     if isinstance(value, list):
@@ -106,7 +107,7 @@ def _text(value: Any, where: str) -> str | None:
                 raise ConversationError(
                     f"{where}[{i}] is a {kind!r} part; only text parts "
                     '({"type": "text", "text": ...}) can be rendered')
-        return "".join(parts)
+        return sep.join(parts)
     raise ConversationError(f"{where} must be a string, null or a list of text parts")
 
 
@@ -160,7 +161,10 @@ def parse_conversation(obj: dict[str, Any]) -> Conversation:
             msg = {**turn, "role": role}
         else:
             raise ConversationError(f'{where} needs "role" (or ShareGPT "from")')
-        msg["content"] = _text(msg.get("content"), f"{where}.content")
+        # SGLang flattens a tool result's text parts with spaces (serving_chat.py,
+        # normalize_tool_content); other roles' parts are printed one after the other.
+        msg["content"] = _text(msg.get("content"), f"{where}.content",
+                               " " if msg["role"] == "tool" else "")
         if msg.get("tool_calls") is not None:
             msg["tool_calls"] = _tool_calls(msg["tool_calls"], f"{where}.tool_calls")
         elif msg["content"] is None:
@@ -185,12 +189,80 @@ def parse_conversation(obj: dict[str, Any]) -> Conversation:
     return Conversation(out, _tools(obj.get("tools")))
 
 
+# Fields of SGLang 0.5.23's request models, in their declaration order
+# (sglang/srt/entrypoints/openai/protocol.py: ChatCompletionMessageGenericParam, Function).
+_MESSAGE_FIELDS = ("role", "content", "tool_call_id", "name", "phase", "reasoning_content",
+                   "tool_calls", "tools", "prefix")
+_FUNCTION_FIELDS = ("description", "name", "parameters", "strict", "defer_loading")
+
+
+def served_tools(tools: Sequence[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Tool declarations as SGLang 0.5.23's chat API hands them to the chat template.
+
+    After its request model (protocol.py ``Tool``/``Function``, dumped with ``model_dump()``):
+    unknown keys dropped; the function's given keys in their order, then a missing
+    ``description``/``parameters`` as None; ``strict``/``defer_loading`` only when set (a
+    tool-level ``defer_loading`` is copied into the function); the tool-level
+    ``defer_loading`` always, None when unset. Idempotent.
+    """
+    if not tools:
+        return None
+    out = []
+    for t in tools:
+        f = t["function"]
+        defer = t.get("defer_loading")
+        fields = {k: f.get(k) for k in _FUNCTION_FIELDS}
+        if defer is not None and fields["defer_loading"] is None:
+            fields["defer_loading"] = defer
+        for k in ("strict", "defer_loading"):
+            if fields[k] is None:
+                del fields[k]
+        order = [k for k in f if k in fields] + [k for k in fields if k not in f]
+        out.append({"type": t.get("type", "function"), "function": {k: fields[k] for k in order},
+                    "defer_loading": defer})
+    return out
+
+
+def served_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as SGLang 0.5.23's chat API hands them to the chat template.
+
+    After ``OpenAIServingChat._apply_jinja_template``: the request model's fields only, unset
+    ones left out; tool calls dumped whole (``id``, ``index``, ``type``, ``function``) with
+    their JSON ``arguments`` parsed into an object (``normalize_assistant_tool_call_arguments``;
+    arguments that are not a JSON object are a request error there, a
+    :class:`ConversationError` here). Idempotent.
+    """
+    out = []
+    for k, m in enumerate(messages):
+        msg = {f: m[f] for f in _MESSAGE_FIELDS if m.get(f) is not None}
+        msg.setdefault("content", "")
+        if msg.get("tool_calls"):
+            calls = []
+            for c in msg["tool_calls"]:
+                args = c["function"].get("arguments")
+                if isinstance(args, str):
+                    try:
+                        args = json.loads(args)
+                    except json.JSONDecodeError:
+                        args = None
+                    if not isinstance(args, dict):
+                        raise ConversationError(
+                            f"messages[{k}]: tool call arguments must be a JSON object (SGLang "
+                            "rejects the request otherwise)")
+                calls.append({"id": c.get("id"), "index": c.get("index"), "type": "function",
+                              "function": {"name": c["function"]["name"], "arguments": args}})
+            msg["tool_calls"] = calls
+        out.append(msg)
+    return out
+
+
 def prompt_text(tokenizer: Any, messages: Sequence[dict[str, Any]],
                 tools: list[dict[str, Any]] | None = None,
                 template_kwargs: dict[str, Any] | None = None) -> str:
     """The serving-time prompt text before the next assistant turn."""
-    return tokenizer.apply_chat_template(list(messages), tools=tools, tokenize=False,
-                                         add_generation_prompt=True, **(template_kwargs or {}))
+    return tokenizer.apply_chat_template(served_messages(messages), tools=served_tools(tools),
+                                         tokenize=False, add_generation_prompt=True,
+                                         **(template_kwargs or {}))
 
 
 _ADDS_SPECIALS: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
@@ -282,8 +354,8 @@ class ChatRenderer:
     def _render(self, messages: Sequence[dict[str, Any]], generation_prompt: bool,
                 tools: list[dict[str, Any]] | None = None) -> str:
         return self.tokenizer.apply_chat_template(
-            list(messages), tools=tools, tokenize=False, add_generation_prompt=generation_prompt,
-            **self.template_kwargs)
+            served_messages(messages), tools=served_tools(tools), tokenize=False,
+            add_generation_prompt=generation_prompt, **self.template_kwargs)
 
     def prompt_text(self, conv: Conversation, k: int) -> str:
         """The serving prompt of assistant message ``k``: the messages before it, rendered
