@@ -173,3 +173,39 @@ def test_every_trained_turn_follows_the_servers_own_prompt(kimi_server, kimi_tok
                     "calls": [(c["function"]["name"], json.loads(c["function"]["arguments"]))
                               for c in msg.get("tool_calls") or []]}
             assert _parsed(tok, run, not kwargs, row.get("tools")) == want, (row["id"], k)
+
+
+def test_named_assistant_turns_are_rendered_not_rejected(kimi_tokenizer):
+    """A ``name`` on an assistant message: later prompts show it (Kimi-K2.5 prints it in the
+    header), the turn itself is what the model writes after the generation prompt."""
+    row = {"messages": [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "name": "kimi", "content": "Hello!", "reasoning_content": "Greet."},
+        {"role": "user", "content": "Bye"},
+        {"role": "assistant", "name": "kimi", "content": "Bye!"},
+    ]}
+    named_past = "<|im_assistant|>kimi<|im_middle|><think></think>Hello!<|im_end|>"
+    want = [("", [(SYSTEM + user("Hi") + GEN, 0), (emitted("Greet.", "Hello!"), 1)]),
+            ("#3", [(SYSTEM + user("Hi") + named_past + user("Bye") + GEN, 0),
+                    (emitted("", "Bye!"), 1)])]
+    samples = ChatRenderer(kimi_tokenizer).render(parse_conversation(row))
+    assert [s.suffix for s in samples] == [suffix for suffix, _ in want]
+    for sample, (_, segments) in zip(samples, want, strict=True):
+        assert (sample.input_ids, sample.loss_mask) == expected(kimi_tokenizer, segments)
+
+
+def test_kimi_tokenizer_is_called_as_sglang_calls_it(kimi_tokenizer, monkeypatch):
+    """SGLang 0.5.23 encodes a rendered chat prompt with no keyword for a tokenizer that adds
+    no specials by itself; Kimi's ``TikTokenTokenizer`` with ``add_special_tokens=False`` takes
+    the slow generic path instead (and warns on every call)."""
+    tok = kimi_tokenizer
+    calls: list[dict] = []
+    plain = tok.encode
+
+    def spy(text, *args, **kwargs):
+        calls.append(kwargs)
+        return plain(text, *args, **kwargs)
+
+    monkeypatch.setattr(tok, "encode", spy)
+    ChatRenderer(tok).render(parse_conversation(QUOTED[1][0]))
+    assert calls and all(not kw for kw in calls)
