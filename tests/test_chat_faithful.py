@@ -12,7 +12,11 @@ import json
 
 import pytest
 
-from hsdump_patch.client.conversation import ChatRenderer, parse_conversation
+from hsdump_patch.client.conversation import (
+    ChatRenderer,
+    ConversationError,
+    parse_conversation,
+)
 from tests.test_kimi import GEN, SYSTEM, emitted, expected, past, user
 
 HEADER = "<|im_assistant|>assistant<|im_middle|>"
@@ -209,3 +213,57 @@ def test_kimi_tokenizer_is_called_as_sglang_calls_it(kimi_tokenizer, monkeypatch
     monkeypatch.setattr(tok, "encode", spy)
     ChatRenderer(tok).render(parse_conversation(QUOTED[1][0]))
     assert calls and all(not kw for kw in calls)
+
+
+GEN_OFF = "<|im_assistant|>assistant<|im_middle|><think></think>"  # thinking=false
+THINKING_OFF = {"id": "thinking-off", "messages": [
+    {"role": "user", "content": "2+2?"},
+    {"role": "assistant", "content": "4"},
+    {"role": "user", "content": "And 3+3?"},
+    {"role": "assistant", "content": "6"},
+]}
+THINKING_OFF_WANT = [
+    (SYSTEM + user("2+2?") + GEN_OFF, 0), ("4<|im_end|>", 1),
+    (user("And 3+3?") + GEN_OFF, 0), ("6<|im_end|>", 1)]
+
+
+def test_template_kwargs_reach_every_rendering(kimi_tokenizer):
+    """``{"thinking": false}`` (Kimi-K2.5 instant mode): every prompt ends with the closed
+    empty think block and each turn is the answer alone."""
+    (sample,) = ChatRenderer(kimi_tokenizer, template_kwargs={"thinking": False}).render(
+        parse_conversation(THINKING_OFF))
+    assert (sample.input_ids, sample.loss_mask) == expected(kimi_tokenizer, THINKING_OFF_WANT)
+    # Reasoning in a thinking-off turn is not what the model emits there: the row is refused.
+    thought = {"messages": [*THINKING_OFF["messages"][:3],
+                            {"role": "assistant", "content": "6", "reasoning_content": "Hm."}]}
+    with pytest.raises(ConversationError, match="turns thinking off"):
+        ChatRenderer(kimi_tokenizer, template_kwargs={"thinking": False}).render(
+            parse_conversation(thought))
+
+
+def test_extract_help_states_the_template_kwargs_default(capsys):
+    from hsdump_patch.cli import main as cli
+
+    with pytest.raises(SystemExit):
+        cli(["extract", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--chat-template-kwargs" in text and "(default: none)" in text
+
+
+@pytest.mark.server
+def test_extract_with_chat_template_kwargs(tmp_path, kimi_server, kimi_tokenizer):
+    """``hsdump extract --chat-template-kwargs`` renders with them and records them."""
+    from hsdump_patch.cli import main as cli
+    from hsdump_patch.reader import iter_records
+
+    dataset = tmp_path / "off.jsonl"
+    dataset.write_text(json.dumps(THINKING_OFF) + "\n")
+    out = tmp_path / "out"
+    assert cli(["extract", "--server", kimi_server.url, "--dump-dir", str(kimi_server.dump_dir),
+                "--dataset", str(dataset), "--out", str(out), "--no-progress",
+                "--chat-template-kwargs", '{"thinking": false}']) == 0
+    (rec,) = dict(iter_records(out)).values()
+    ids, mask = expected(kimi_tokenizer, THINKING_OFF_WANT)
+    assert rec["input_ids"].tolist() == ids and rec["loss_mask"].tolist() == mask
+    meta = json.loads((out / "hsdump-meta.json").read_text())
+    assert meta["chat_template_kwargs"] == {"thinking": False}
