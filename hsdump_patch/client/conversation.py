@@ -329,6 +329,7 @@ class ChatRenderer:
         self.think = think if think is not None else ThinkMarkers.from_vocab(tokenizer)
         self.policy = policy
         self.template_kwargs = dict(template_kwargs or {})
+        self._probe_cache: tuple[list[dict[str, Any]] | None, str] | None = None
         base = self._render(_PROBE, False)
         with_prompt = self._render(_PROBE, True)
         if not with_prompt.startswith(base) or with_prompt == base:
@@ -357,6 +358,13 @@ class ChatRenderer:
             served_messages(messages), tools=served_tools(tools), tokenize=False,
             add_generation_prompt=generation_prompt, **self.template_kwargs)
 
+    def _probe_render(self, tools: list[dict[str, Any]] | None) -> str:
+        """The probe user message rendered with ``tools``, kept for the last tools seen."""
+        cached = self._probe_cache
+        if cached is None or cached[0] is not tools:
+            cached = self._probe_cache = (tools, self._render(_PROBE, False, tools))
+        return cached[1]
+
     def prompt_text(self, conv: Conversation, k: int) -> str:
         """The serving prompt of assistant message ``k``: the messages before it, rendered
         with the generation prompt and the renderer's template options."""
@@ -373,7 +381,7 @@ class ChatRenderer:
         prompt, whatever name later prompts give it.
         """
         msg = {key: v for key, v in conv.messages[k].items() if key != "name"}
-        base = self._render(_PROBE, False, conv.tools)
+        base = self._probe_render(conv.tools)
         alone = self._render([*_PROBE, msg], False, conv.tools)
         if not alone.startswith(base) or not alone.startswith(self.header, len(base)):
             raise ConversationError(
