@@ -210,8 +210,18 @@ def test_kimi_tokenizer_is_called_as_sglang_calls_it(kimi_tokenizer, monkeypatch
         calls.append(kwargs)
         return plain(text, *args, **kwargs)
 
+    def decode_spy(ids, *args, **kwargs):
+        calls.append(kwargs)
+        return plain_decode(ids, *args, **kwargs)
+
+    generated = tok.encode(emitted("Hm.", "Yes"))
+    plain_decode = tok.decode
     monkeypatch.setattr(tok, "encode", spy)
-    ChatRenderer(tok).render(parse_conversation(QUOTED[1][0]))
+    monkeypatch.setattr(tok, "decode", decode_spy)
+    regenerated = {"messages": [{"role": "user", "content": "Hi"},
+                                {"role": "assistant", "content": "Yes", "token_ids": generated}]}
+    for row in (QUOTED[1][0], regenerated):
+        ChatRenderer(tok).render(parse_conversation(row))
     assert calls and all(not kw for kw in calls)
 
 

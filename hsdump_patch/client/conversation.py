@@ -294,7 +294,10 @@ def encode(tokenizer: Any, text: str) -> list[int]:
 
 
 def decode(tokenizer: Any, ids: list[int]) -> str:
-    """The text of ``ids``, exactly (no clean-up of spaces)."""
+    """The text of ``ids``, exactly (no clean-up of spaces); without keywords when the tokenizer
+    cleans up nothing anyway (Kimi's tokenizer takes its slow path on any keyword)."""
+    if getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
+        return tokenizer.decode(ids)
     return tokenizer.decode(ids, clean_up_tokenization_spaces=False)
 
 
