@@ -277,3 +277,21 @@ def test_extract_with_chat_template_kwargs(tmp_path, kimi_server, kimi_tokenizer
     assert rec["input_ids"].tolist() == ids and rec["loss_mask"].tolist() == mask
     meta = json.loads((out / "hsdump-meta.json").read_text())
     assert meta["chat_template_kwargs"] == {"thinking": False}
+
+
+def test_tools_are_declared_as_sglangs_request_model_dumps_them():
+    """Key for key and in order, what SGLang's own ``Tool.model_dump()`` hands the template."""
+    from sglang.srt.entrypoints.openai.protocol import Tool
+
+    from hsdump_patch.client.conversation import served_tools
+
+    tools = [
+        TOOLS[0],
+        {"type": "function", "function": {"parameters": {"type": "object"}, "name": "a",
+                                          "extra": 1}},
+        {"function": {"name": "b", "strict": True, "description": "d"}, "defer_loading": True},
+        {"type": "function", "function": {"name": "c", "defer_loading": False, "strict": None}},
+    ]
+    want = [Tool.model_validate(t).model_dump() for t in tools]
+    assert json.dumps(served_tools(tools)) == json.dumps(want)
+    assert json.dumps(served_tools(served_tools(tools))) == json.dumps(want)
