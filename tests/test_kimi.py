@@ -36,8 +36,12 @@ def _sorted(obj):
 
 
 def tools_decl(tools) -> str:
+    """The declaration as served: SGLang's chat API dumps each tool through its request model."""
+    from sglang.srt.entrypoints.openai.protocol import Tool
+
+    served = [Tool.model_validate(t).model_dump() for t in tools]
     return ("<|im_system|>tool_declare<|im_middle|>"
-            + json.dumps(_sorted(tools), separators=(",", ":")) + "<|im_end|>")
+            + json.dumps(_sorted(served), separators=(",", ":")) + "<|im_end|>")
 
 
 def system(text: str) -> str:

@@ -20,8 +20,10 @@ always makes one sample per turn; ``last`` only the last turn.
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Sequence
+import weakref
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,8 +89,9 @@ class TurnSample:
     loss_mask: list[int]
 
 
-def _text(value: Any, where: str) -> str | None:
-    """Message content as text: a string, None, or a list of ``{"type": "text"}`` parts."""
+def _text(value: Any, where: str, sep: str = "") -> str | None:
+    """Message content as text: a string, None, or a list of ``{"type": "text"}`` parts, joined
+    with ``sep``."""
     if value is None or isinstance(value, str):
         return value
     if isinstance(value, list):
@@ -104,7 +107,7 @@ def _text(value: Any, where: str) -> str | None:
                 raise ConversationError(
                     f"{where}[{i}] is a {kind!r} part; only text parts "
                     '({"type": "text", "text": ...}) can be rendered')
-        return "".join(parts)
+        return sep.join(parts)
     raise ConversationError(f"{where} must be a string, null or a list of text parts")
 
 
@@ -158,7 +161,10 @@ def parse_conversation(obj: dict[str, Any]) -> Conversation:
             msg = {**turn, "role": role}
         else:
             raise ConversationError(f'{where} needs "role" (or ShareGPT "from")')
-        msg["content"] = _text(msg.get("content"), f"{where}.content")
+        # SGLang flattens a tool result's text parts with spaces (serving_chat.py,
+        # normalize_tool_content); other roles' parts are printed one after the other.
+        msg["content"] = _text(msg.get("content"), f"{where}.content",
+                               " " if msg["role"] == "tool" else "")
         if msg.get("tool_calls") is not None:
             msg["tool_calls"] = _tool_calls(msg["tool_calls"], f"{where}.tool_calls")
         elif msg["content"] is None:
@@ -183,21 +189,115 @@ def parse_conversation(obj: dict[str, Any]) -> Conversation:
     return Conversation(out, _tools(obj.get("tools")))
 
 
+# Fields of SGLang 0.5.23's request models, in their declaration order
+# (sglang/srt/entrypoints/openai/protocol.py: ChatCompletionMessageGenericParam, Function).
+_MESSAGE_FIELDS = ("role", "content", "tool_call_id", "name", "phase", "reasoning_content",
+                   "tool_calls", "tools", "prefix")
+_FUNCTION_FIELDS = ("description", "name", "parameters", "strict", "defer_loading")
+
+
+def served_tools(tools: Sequence[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Tool declarations as SGLang 0.5.23's chat API hands them to the chat template.
+
+    After its request model (protocol.py ``Tool``/``Function``, dumped with ``model_dump()``):
+    unknown keys dropped; the function's given keys in their order, then a missing
+    ``description``/``parameters`` as None; ``strict``/``defer_loading`` only when set (a
+    tool-level ``defer_loading`` is copied into the function); the tool-level
+    ``defer_loading`` always, None when unset. Idempotent.
+    """
+    if not tools:
+        return None
+    out = []
+    for t in tools:
+        f = t["function"]
+        defer = t.get("defer_loading")
+        fields = {k: f.get(k) for k in _FUNCTION_FIELDS}
+        if defer is not None and fields["defer_loading"] is None:
+            fields["defer_loading"] = defer
+        for k in ("strict", "defer_loading"):
+            if fields[k] is None:
+                del fields[k]
+        order = [k for k in f if k in fields] + [k for k in fields if k not in f]
+        out.append({"type": t.get("type", "function"), "function": {k: fields[k] for k in order},
+                    "defer_loading": defer})
+    return out
+
+
+def served_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as SGLang 0.5.23's chat API hands them to the chat template.
+
+    After ``OpenAIServingChat._apply_jinja_template``: the request model's fields only, unset
+    ones left out; tool calls dumped whole (``id``, ``index``, ``type``, ``function``) with
+    their JSON ``arguments`` parsed into an object (``normalize_assistant_tool_call_arguments``;
+    arguments that are not a JSON object are a request error there, a
+    :class:`ConversationError` here). Idempotent.
+    """
+    out = []
+    for k, m in enumerate(messages):
+        msg = {f: m[f] for f in _MESSAGE_FIELDS if m.get(f) is not None}
+        msg.setdefault("content", "")
+        if msg.get("tool_calls"):
+            calls = []
+            for c in msg["tool_calls"]:
+                args = c["function"].get("arguments")
+                if isinstance(args, str):
+                    try:
+                        args = json.loads(args)
+                    except json.JSONDecodeError:
+                        args = None
+                    if not isinstance(args, dict):
+                        raise ConversationError(
+                            f"messages[{k}]: tool call arguments must be a JSON object (SGLang "
+                            "rejects the request otherwise)")
+                calls.append({"id": c.get("id"), "index": c.get("index"), "type": "function",
+                              "function": {"name": c["function"]["name"], "arguments": args}})
+            msg["tool_calls"] = calls
+        out.append(msg)
+    return out
+
+
 def prompt_text(tokenizer: Any, messages: Sequence[dict[str, Any]],
                 tools: list[dict[str, Any]] | None = None,
                 template_kwargs: dict[str, Any] | None = None) -> str:
     """The serving-time prompt text before the next assistant turn."""
-    return tokenizer.apply_chat_template(list(messages), tools=tools, tokenize=False,
-                                         add_generation_prompt=True, **(template_kwargs or {}))
+    return tokenizer.apply_chat_template(served_messages(messages), tools=served_tools(tools),
+                                         tokenize=False, add_generation_prompt=True,
+                                         **(template_kwargs or {}))
+
+
+_ADDS_SPECIALS: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+
+def _adds_specials(tokenizer: Any) -> bool:
+    """Whether ``tokenizer.encode`` adds special tokens on its own (a BOS), probed once."""
+    try:
+        return _ADDS_SPECIALS[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    adds = len(tokenizer.encode("")) > 0
+    with contextlib.suppress(TypeError):  # not weak-referenceable: probe each time
+        _ADDS_SPECIALS[tokenizer] = adds
+    return adds
 
 
 def encode(tokenizer: Any, text: str) -> list[int]:
-    """Token ids of ``text`` as the server encodes a rendered prompt (no added specials)."""
-    return tokenizer.encode(text, add_special_tokens=False)
+    """Token ids of ``text`` as the server encodes a rendered chat prompt.
+
+    As SGLang 0.5.23 does (``OpenAIServingChat``: ``_tokenizer_auto_adds_specials``, probed
+    with ``encode("")``): ``add_special_tokens=False`` only for a tokenizer that adds specials
+    by itself, else no keyword at all, which keeps Kimi's ``TikTokenTokenizer`` on its fast
+    path (with the keyword it takes the slow generic one and warns on every call).
+    """
+    if _adds_specials(tokenizer):
+        return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(text)
 
 
 def decode(tokenizer: Any, ids: list[int]) -> str:
-    """The text of ``ids``, exactly (no clean-up of spaces)."""
+    """The text of ``ids``, exactly (no clean-up of spaces); without keywords when the tokenizer
+    cleans up nothing anyway (Kimi's tokenizer takes its slow path on any keyword)."""
+    if getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
+        return tokenizer.decode(ids)
     return tokenizer.decode(ids, clean_up_tokenization_spaces=False)
 
 
@@ -221,7 +321,7 @@ class ChatRenderer:
     """Turns a conversation into serving-faithful samples under a multi-turn policy."""
 
     def __init__(self, tokenizer: Any, think: ThinkMarkers | None = None,
-                 policy: str = "auto") -> None:
+                 policy: str = "auto", template_kwargs: dict[str, Any] | None = None) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(
                 "the model's tokenizer has no chat template: chat rows cannot be rendered; "
@@ -231,15 +331,22 @@ class ChatRenderer:
         self.tokenizer = tokenizer
         self.think = think if think is not None else ThinkMarkers.from_vocab(tokenizer)
         self.policy = policy
+        self.template_kwargs = dict(template_kwargs or {})
+        self._probe_cache: tuple[list[dict[str, Any]] | None, str] | None = None
         base = self._render(_PROBE, False)
         with_prompt = self._render(_PROBE, True)
         if not with_prompt.startswith(base) or with_prompt == base:
             raise ValueError("the chat template's generation prompt is not appended to the "
                              "conversation; chat rows cannot be rendered, pre-tokenize them")
         gen = with_prompt[len(base):]
-        # The assistant header: the generation prompt without a think block it opens.
+        self.generation_prompt = gen
+        # The assistant header: the generation prompt without a think block it opens or
+        # closes (thinking off: Kimi-K2.5 ends it with an empty <think></think>).
         self.opens_think = bool(self.think and gen.endswith(self.think.start))
-        self.header = gen[: -len(self.think.start)] if self.opens_think else gen
+        empty = self.think.start + self.think.end if self.think else None
+        self.closes_think = bool(empty and not self.opens_think and gen.endswith(empty))
+        self.header = (gen[: -len(self.think.start)] if self.opens_think  # type: ignore[union-attr]
+                       else gen[: -len(empty)] if self.closes_think else gen)  # type: ignore[arg-type]
         # Special tokens are split out before BPE: no token spans a boundary next to one.
         self.specials = sorted(tokenizer.get_added_vocab(), key=len, reverse=True)
         # What the template puts after an assistant turn's content (its end-of-turn text).
@@ -251,20 +358,56 @@ class ChatRenderer:
     def _render(self, messages: Sequence[dict[str, Any]], generation_prompt: bool,
                 tools: list[dict[str, Any]] | None = None) -> str:
         return self.tokenizer.apply_chat_template(
-            list(messages), tools=tools, tokenize=False, add_generation_prompt=generation_prompt)
+            served_messages(messages), tools=served_tools(tools), tokenize=False,
+            add_generation_prompt=generation_prompt, **self.template_kwargs)
+
+    def _probe_render(self, tools: list[dict[str, Any]] | None) -> str:
+        """The probe user message rendered with ``tools``, kept for the last tools seen."""
+        cached = self._probe_cache
+        if cached is None or cached[0] is not tools:
+            cached = self._probe_cache = (tools, self._render(_PROBE, False, tools))
+        return cached[1]
+
+    def prompt_text(self, conv: Conversation, k: int) -> str:
+        """The serving prompt of assistant message ``k``: the messages before it, rendered
+        with the generation prompt and the renderer's template options."""
+        return prompt_text(self.tokenizer, conv.messages[:k], conv.tools, self.template_kwargs)
+
+    def turn_text(self, conv: Conversation, k: int) -> str:
+        """Assistant message ``k`` as the template renders it, without its header.
+
+        No marker is searched for in rendered text (any message may quote any marker): the
+        turn is what rendering it after a probe user message adds to the probe's rendering,
+        less the generation prompt's header; it must also be exactly how the rendering of
+        ``messages[: k + 1]`` ends, i.e. the template renders the turn the same in its own
+        conversation. A ``name`` is left out: the model writes the turn after the generation
+        prompt, whatever name later prompts give it.
+        """
+        msg = {key: v for key, v in conv.messages[k].items() if key != "name"}
+        base = self._probe_render(conv.tools)
+        alone = self._render([*_PROBE, msg], False, conv.tools)
+        if not alone.startswith(base) or not alone.startswith(self.header, len(base)):
+            raise ConversationError(
+                f"messages[{k}]: the template's rendering of this assistant turn does not start "
+                f"with its generation prompt {self.header!r}")
+        turn = alone[len(base) + len(self.header):]
+        if not self._render(conv.messages[: k + 1], False, conv.tools).endswith(turn):
+            raise ConversationError(
+                f"messages[{k}]: the template renders this assistant turn differently in its "
+                "conversation than after a single user message; its tokens cannot be told apart "
+                "from the prompt's")
+        return turn
 
     def completion_text(self, conv: Conversation, k: int, prompt: str) -> str:
         """Assistant message ``k`` as the model emits it after ``prompt``."""
         msg = conv.messages[k]
-        whole = self._render(conv.messages[: k + 1], False, conv.tools)
-        at = whole.rfind(self.header)
-        if at < 0:
-            raise ConversationError(
-                f"messages[{k}]: the template's rendering of this assistant turn does not start "
-                f"with its generation prompt {self.header!r}")
-        turn = whole[at + len(self.header):]
+        turn = self.turn_text(conv, k)
         reasoning = msg.get("reasoning_content") or ""
         think = self.think
+        if think and think.end in reasoning:
+            raise ConversationError(
+                f"messages[{k}].reasoning_content holds the think end marker {think.end!r}: the "
+                "reasoning parser would end the reasoning there, so the model cannot emit it")
         block, rest = "", turn
         if think and turn.lstrip().startswith(think.start) and think.end in turn:
             open_at = turn.index(think.start)
@@ -280,9 +423,21 @@ class ChatRenderer:
                     "model's think markers are unknown; pass --reasoning-parser")
             block = think.start + reasoning + think.end
         text = block + rest
-        if self.opens_think and prompt.endswith(think.start):  # type: ignore[union-attr]
+        if think and self.closes_think and prompt.endswith(think.start + think.end):
+            # Thinking off: the prompt closed an empty think block; the model writes the answer.
+            if block.strip() not in ("", think.start + think.end):
+                raise ConversationError(
+                    f"messages[{k}] has reasoning but the prompt turns thinking off (the "
+                    "generation prompt closes the think block): the model cannot emit it")
+            text = rest
+        elif self.opens_think and prompt.endswith(think.start):  # type: ignore[union-attr]
             # The prompt opened the think block: the model continues inside it.
             text = text[len(think.start):] if text.startswith(think.start) else think.end + text
+        eot = self.end_of_turn.strip()
+        if eot and eot in text[: len(text) - len(self.end_of_turn)]:
+            raise ConversationError(
+                f"messages[{k}] holds the end-of-turn marker {eot!r} inside the turn: generation "
+                "stops there, so the model cannot emit this turn")
         return text
 
     def _turns(self, conv: Conversation) -> list[int]:
@@ -323,7 +478,7 @@ class ChatRenderer:
         if self.policy == "last":
             turns = turns[-1:]
         last = turns[-1]
-        last_prompt = prompt_text(self.tokenizer, conv.messages[:last], conv.tools)
+        last_prompt = self.prompt_text(conv, last)
         last_completion = self._completion(conv, last, last_prompt)
         if self.policy == "auto" and len(turns) > 1:
             single = self._single(conv, turns, last_prompt, last_completion)
@@ -331,8 +486,7 @@ class ChatRenderer:
                 return [single]
         out = []
         for n, k in enumerate(turns):
-            prompt = last_prompt if k == last else prompt_text(
-                self.tokenizer, conv.messages[:k], conv.tools)
+            prompt = last_prompt if k == last else self.prompt_text(conv, k)
             _, c_ids = last_completion if k == last else self._completion(conv, k, prompt)
             p_ids = encode(self.tokenizer, prompt)
             out.append(TurnSample("" if n == 0 else f"#{k}", p_ids + c_ids,
@@ -352,12 +506,16 @@ class ChatRenderer:
         and the masked tokens must decode to exactly each turn's completion text.
         """
         msgs = conv.messages
+        if not self.end_of_turn or _quotes(conv, (self.header, self.end_of_turn.strip())):
+            return None  # the markers found in the stream could come from a message's text
         stream = last_prompt + last_completion[0]
         heads = _find_all(last_prompt, self.header)
         assistants = [i for i, m in enumerate(msgs[: turns[-1]]) if m["role"] == "assistant"]
-        if not self.end_of_turn or len(heads) != len(assistants) + 1:
+        if len(heads) != len(assistants) + 1:
             return None
-        opener = self.think.start if self.opens_think else ""  # type: ignore[union-attr]
+        think = self.think
+        opener = (think.start if self.opens_think else think.start + think.end  # type: ignore[union-attr]
+                  if self.closes_think else "")
         cuts = []  # (start, end) of each earlier turn's completion in the stream
         for k in turns[:-1]:
             start = heads[assistants.index(k)] + len(self.header)
@@ -420,6 +578,25 @@ class ChatRenderer:
             encode(self.tokenizer, left) + encode(self.tokenizer, right))
 
 
+def _strings(value: Any) -> Iterator[str]:
+    """Every string inside ``value`` (dict keys and values, list items), depth first."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield str(key)
+            yield from _strings(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _strings(item)
+
+
+def _quotes(conv: Conversation, markers: Sequence[str]) -> bool:
+    """Whether any text of the conversation (messages, tools) holds one of ``markers``."""
+    markers = [m for m in markers if m]
+    return any(m in text for text in _strings([conv.messages, conv.tools]) for m in markers)
+
+
 def _find_all(text: str, needle: str) -> list[int]:
     """Start offsets of the non-overlapping occurrences of ``needle`` in ``text``."""
     out, at = [], text.find(needle)
@@ -429,14 +606,16 @@ def _find_all(text: str, needle: str) -> list[int]:
     return out
 
 
-def chat_renderer(tokenizer: Any, policy: str = "auto",
-                  reasoning_parser: str | None = None) -> ChatRenderer | None:
+def chat_renderer(tokenizer: Any, policy: str = "auto", reasoning_parser: str | None = None,
+                  template_kwargs: dict[str, Any] | None = None) -> ChatRenderer | None:
     """The renderer for chat rows, or None when the tokenizer has no chat template.
 
     Think markers come from SGLang's reasoning parser ``reasoning_parser`` (the server's
     ``--reasoning-parser``); without one, ``<think>`` / ``</think>`` when both are tokens.
+    ``template_kwargs`` are passed to every chat-template rendering, as the request's
+    ``chat_template_kwargs`` are by SGLang (e.g. ``{"thinking": false}``).
     """
     if not getattr(tokenizer, "chat_template", None):
         return None
     think = ThinkMarkers.from_reasoning_parser(reasoning_parser) if reasoning_parser else None
-    return ChatRenderer(tokenizer, think, policy)
+    return ChatRenderer(tokenizer, think, policy, template_kwargs)

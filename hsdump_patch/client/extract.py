@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import errno
+import json
 import os
 import sys
 import threading
@@ -504,7 +505,8 @@ def load_tokenizer(model: str, trust_remote_code: bool) -> Any:
 def extract(settings: Settings, dataset: Path, *, shard: Shard | None = None,
             model: str | None = None, max_len: int | None = None, rid_prefix: str | None = None,
             trust_remote_code: bool = False, multi_turn: str = "auto",
-            reasoning_parser: str | None = None) -> Report:
+            reasoning_parser: str | None = None,
+            chat_template_kwargs: dict[str, Any] | None = None) -> Report:
     """Run one extraction; return its report."""
     shard = shard or Shard()
     client, model_info, info = connect(settings, rid_prefix)
@@ -512,7 +514,8 @@ def extract(settings: Settings, dataset: Path, *, shard: Shard | None = None,
     trust = trust_remote_code or bool(client.server_args().get("trust_remote_code"))
     tokenizer = load_tokenizer(tokenizer_path, trust)
     renderer = chat_renderer(tokenizer, multi_turn,
-                             reasoning_parser or client.server_args().get("reasoning_parser"))
+                             reasoning_parser or client.server_args().get("reasoning_parser"),
+                             template_kwargs=chat_template_kwargs)
 
     rows, bad_rows = index_dataset(dataset)
     rows = [r for r in rows if shard.contains(r.id)]
@@ -520,7 +523,8 @@ def extract(settings: Settings, dataset: Path, *, shard: Shard | None = None,
     settings.out.mkdir(parents=True, exist_ok=True)
     run_id = records.ensure_sidecar(settings.out, records.sidecar(
         settings.fmt, info, tokenizer=tokenizer_path, max_len=max_len, compress=settings.compress,
-        trust_remote_code=trust, loss_mask=settings.loss_mask))
+        trust_remote_code=trust, loss_mask=settings.loss_mask,
+        chat_template_kwargs=chat_template_kwargs))
 
     report = Report(shard=str(shard), fmt=settings.fmt, out=str(settings.out),
                     dataset=str(dataset), server=settings.server)
@@ -650,7 +654,22 @@ def add_parser(subparsers: Any) -> None:
                         "SpecForge's one-token shift, the drafter's input and target tokens "
                         "are both emitted in one turn, as it drafts them when served "
                         "(docs/client.md) (default completion)")
+    p.add_argument("--chat-template-kwargs", type=template_kwargs, default=None,
+                   help='JSON object passed to every chat-template rendering, as a request\'s '
+                        'chat_template_kwargs (e.g. \'{"thinking": false}\' for Kimi-K2.5 '
+                        "instant mode); recorded in hsdump-meta.json (default: none)")
     p.set_defaults(func=main)
+
+
+def template_kwargs(text: str) -> dict[str, Any]:
+    """``--chat-template-kwargs``: a JSON object."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError('must be a JSON object, e.g. \'{"thinking": false}\'')
+    return value
 
 
 def settings_from_args(args: argparse.Namespace, out: Path, **overrides: Any) -> Settings:
@@ -677,7 +696,8 @@ def main(args: argparse.Namespace) -> int:
         report = extract(settings, args.dataset, shard=args.shard, model=args.model,
                          max_len=args.max_len, rid_prefix=args.rid_prefix,
                          trust_remote_code=args.trust_remote_code, multi_turn=args.multi_turn,
-                         reasoning_parser=args.reasoning_parser)
+                         reasoning_parser=args.reasoning_parser,
+                         chat_template_kwargs=args.chat_template_kwargs)
     except (ServerDown, protocol.ProtocolError, ConfigError, ValueError, RuntimeError,
             OSError) as e:
         print(f"hsdump extract: error: {e}", file=sys.stderr)

@@ -55,7 +55,7 @@ LAYER_CONVENTION = (
 FINAL_CONVENTION = "post-final-norm hidden state (the input of lm_head)"
 # Fields of the sidecar that must not change between runs writing into one directory.
 _STABLE_FIELDS = ("format", "model", "layers", "has_final", "hidden_size", "dtype", "compress",
-                  "loss_mask_convention")
+                  "loss_mask_convention", "chat_template_kwargs")
 _PLAIN_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,79}")
 _HASHED_STEM = re.compile(r"-[0-9a-f]{16}$")
 _READABLE_LEN = 48
@@ -205,7 +205,8 @@ def save_atomic(record: dict[str, Any], path: Path, compress: bool = False) -> i
 
 def sidecar(fmt: str, info: protocol.ServerInfo, *, tokenizer: str | None,
             max_len: int | None, compress: bool = False,
-            trust_remote_code: bool = False, loss_mask: str = "completion") -> dict[str, Any]:
+            trust_remote_code: bool = False, loss_mask: str = "completion",
+            chat_template_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
     """The metadata describing every record of an output directory."""
     return {
         "format": fmt,
@@ -230,6 +231,7 @@ def sidecar(fmt: str, info: protocol.ServerInfo, *, tokenizer: str | None,
         "trust_remote_code": trust_remote_code,
         "max_len": max_len,
         "loss_mask_convention": loss_mask,  # hsdump_patch.client.mask
+        "chat_template_kwargs": chat_template_kwargs,
     }
 
 
