@@ -40,6 +40,16 @@ def require(condition: bool, what: str) -> None:
     pytest.skip(f"missing prerequisite: {what}")
 
 
+def specforge_on_path() -> None:
+    """Put SpecForge's released code (``make test`` installs it at $HSDUMP_SPECFORGE_PATH) on
+    ``sys.path``, so tests import SpecForge's own modules."""
+    path = os.environ.get("HSDUMP_SPECFORGE_PATH", "")
+    require(bool(path) and Path(path, "specforge").is_dir(),
+            "SpecForge's code at $HSDUMP_SPECFORGE_PATH (make test installs it)")
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+
 @pytest.fixture(scope="session")
 def sglang_available() -> None:
     require(importlib.util.find_spec("sglang") is not None, "sglang==0.5.23 importable")

@@ -10,10 +10,8 @@ forward of the same tokens.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -22,7 +20,7 @@ import torch
 from hsdump_patch import protocol
 from hsdump_patch.client import records
 from hsdump_patch.reader import iter_records, manifest_entries
-from tests.conftest import require
+from tests.conftest import specforge_on_path
 from tests.harness.reference import hf_hidden_states
 from tests.test_client_dataset import write_jsonl
 from tests.test_client_extract import REL_TOL, REPO, extract, pre_tokenized, read_report, rel_err
@@ -35,10 +33,7 @@ MAX_LEN = 2048  # SpecForge's default data.max_length
 def sf() -> SimpleNamespace:
     """SpecForge's offline loading path: the trainer's listing, its file loader, the EAGLE-3
     per-sample processing and collator, and the older ``OfflineEagle3Dataset`` path."""
-    path = os.environ.get("HSDUMP_SPECFORGE_PATH", "")
-    require(bool(path) and Path(path, "specforge").is_dir(),
-            "SpecForge's code at $HSDUMP_SPECFORGE_PATH (make test installs it)")
-    sys.path.insert(0, path)
+    specforge_on_path()
     from specforge.algorithms.eagle3.data import normalize_offline_sample
     from specforge.data.preprocessing import OfflineEagle3Dataset, list_local_files
     from specforge.data.utils import DataCollatorWithPadding

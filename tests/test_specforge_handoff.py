@@ -11,7 +11,6 @@ its own draft model. The printed overrides go through SpecForge's own offline da
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -22,7 +21,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.conftest import require
+from tests.conftest import specforge_on_path
 from tests.harness.make_models import VOCAB
 from tests.test_client_dataset import write_jsonl
 from tests.test_client_extract import REPO, extract, pre_tokenized, read_report
@@ -34,10 +33,7 @@ DRAFT_VOCAB = 64  # fewer than the distinct trained ids below: the top-N choice 
 @pytest.fixture(scope="module")
 def sfh() -> SimpleNamespace:
     """SpecForge's vocab-mapping code, its draft model and its offline data path."""
-    path = os.environ.get("HSDUMP_SPECFORGE_PATH", "")
-    require(bool(path) and Path(path, "specforge").is_dir(),
-            "SpecForge's code at $HSDUMP_SPECFORGE_PATH (make test installs it)")
-    sys.path.insert(0, path)
+    specforge_on_path()
     from specforge.algorithms.builtin import builtin_algorithm_registry
     from specforge.config.schema import load_config
     from specforge.core.compact_teacher import validate_vocab_mapping_consistency

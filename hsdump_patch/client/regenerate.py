@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import hashlib
-import json
 import sys
 import threading
 import time
@@ -548,7 +547,7 @@ def add_parser(subparsers: Any) -> None:
     g.add_argument("--seed", dest="sampling_seed", type=int, default=None,
                    help="sampling seed sent with each request; SGLang uses it only when the "
                         "server runs with --enable-deterministic-inference (default: none)")
-    p.add_argument("--chat-template-kwargs", type=_json_object, default=None,
+    p.add_argument("--chat-template-kwargs", type=ex.template_kwargs, default=None,
                    help="JSON object passed to the chat template, as the chat API's "
                         """chat_template_kwargs, e.g. '{"thinking": false}'; recorded in the """
                         "output (default: none)")
@@ -594,17 +593,6 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--report", type=Path, default=None,
                    help="JSON report path (default OUT with the suffix .report.json)")
     p.set_defaults(func=main)
-
-
-def _json_object(text: str) -> dict[str, Any]:
-    """A JSON object flag value."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object")
-    return value
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
