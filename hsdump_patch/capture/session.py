@@ -75,6 +75,7 @@ class _ForwardState:
         self.buf: torch.Tensor | None = None
         self.captured: set[int] = set()
         self.error: str | None = None
+        self.dumped_rows: frozenset[int] = frozenset()  # batch rows (requests) to hand off
 
     def store(self, slot: int, tensor: torch.Tensor) -> None:
         # Runs inside SGLang's layer code: it must never raise.
@@ -215,6 +216,10 @@ class CaptureSession:
 
         self.config = config
         self.extend_mode = ForwardMode.EXTEND
+        # MIXED: --enable-mixed-chunk's prefill beside running decodes (their rows are tails)
+        self.prefill_modes = (ForwardMode.EXTEND, ForwardMode.MIXED)
+        # (rid, prefix length) of decode tails seen by ForwardBatch.init_new, not yet forwarded
+        self.decode_tails: OrderedDict[tuple[str, int], None] = OrderedDict()
         self.stack = locate_decoder_stack(runner.model)
         self.layers, self.layers_source = self._resolve_layers()
         self.slots = len(self.layers) + int(config.dump_final)
@@ -331,28 +336,57 @@ class CaptureSession:
 
     # ------------------------------------------------------------------ per forward
 
-    def record_prompt_lengths(self, batch: Any) -> None:
-        """Remember prompt lengths of dumped requests (from ``ForwardBatch.init_new``)."""
+    def record_prompt_lengths(self, batch: Any, fb: Any = None) -> None:
+        """From ``ForwardBatch.init_new`` (``batch``, its result ``fb``): remember the prompt
+        length of each dumped request prefilled in this forward, and which of its dumped rows
+        are decode tails.
+
+        Only extend forwards are looked at (decode steps hold no prompt rows). A row whose
+        prefix reaches the prompt's end is a request still decoding, as a one-token extend
+        (prefix = sequence length - 1): ``--enable-mixed-chunk`` adds every running request
+        to a prefill forward that way. It is neither dumped nor a new attempt.
+        """
+        if fb is None or fb.forward_mode not in self.prefill_modes:
+            return
+        reqs, prefixes = getattr(batch, "reqs", None) or (), fb.extend_prefix_lens_cpu
+        if prefixes is None or len(prefixes) != len(reqs):
+            return
         prefix = self.config.rid_prefix
-        for req in getattr(batch, "reqs", None) or ():
+        for req, prefix_len in zip(reqs, prefixes, strict=True):
             rid = req.rid
-            if isinstance(rid, str) and rid.startswith(prefix):
-                self.prompt_lens[rid] = len(req.origin_input_ids)
-        while len(self.prompt_lens) > _MAX_TRACKED:
-            self.prompt_lens.popitem(last=False)
+            if not (isinstance(rid, str) and rid.startswith(prefix)):
+                continue
+            prompt_len = len(req.origin_input_ids)
+            if prefix_len >= prompt_len:
+                self.decode_tails[(rid, int(prefix_len))] = None
+            else:
+                self.prompt_lens[rid] = prompt_len
+        for tracked in (self.prompt_lens, self.decode_tails):
+            while len(tracked) > _MAX_TRACKED:
+                tracked.popitem(last=False)
+
+    def _dumped_rows(self, fb: Any) -> list[int]:
+        """Indices of the rows of ``fb`` to dump: dumped rids, decode tails left out."""
+        prefix = self.config.rid_prefix
+        rows = []
+        for i, (rid, prefix_len) in enumerate(zip(fb.rids, fb.extend_prefix_lens_cpu,
+                                                  strict=True)):
+            if not (isinstance(rid, str) and rid.startswith(prefix)):
+                continue
+            if self.decode_tails.pop((rid, int(prefix_len)), False) is None:
+                continue  # a decode tail (popped: each is forwarded once)
+            rows.append(i)
+        return rows
 
     def _dumpable(self, fb: Any) -> bool:
-        if fb is None or fb.forward_mode != self.extend_mode:
+        if fb is None or fb.forward_mode not in self.prefill_modes:
             return False
-        if getattr(fb, "_original_forward_mode", None) not in (None, self.extend_mode):
+        if getattr(fb, "_original_forward_mode", None) not in (None, fb.forward_mode):
             return False
         rids, lens = fb.rids, fb.extend_seq_lens_cpu
         if not rids or lens is None or len(rids) != len(lens):
             return False
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            return False
-        prefix = self.config.rid_prefix
-        return any(isinstance(r, str) and r.startswith(prefix) for r in rids)
+        return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
     def _before_forward(self, module: Any, args: tuple, kwargs: dict) -> None:
         self.state = None
@@ -360,12 +394,16 @@ class CaptureSession:
             fb = _forward_batch_of(args, kwargs)
             if not self._dumpable(fb):
                 return
+            rows = self._dumped_rows(fb)
+            if not rows:
+                return
         except Exception:
             self._count_error("deciding whether to dump a forward")
             return
         if not self.peers_checked:
             self.check_peers()  # raises into the scheduler: refuse to serve
         self.state = _ForwardState(self.buffers, fb, int(sum(fb.extend_seq_lens_cpu)))
+        self.state.dumped_rows = frozenset(rows)
 
     def _after_forward(self, module: Any, args: tuple, kwargs: dict, output: Any) -> None:
         state, self.state = self.state, None
@@ -398,10 +436,10 @@ class CaptureSession:
         positions = fb.positions[: state.rows].to(torch.int64, copy=True)
         assert self.writer is not None and state.buf is not None
         start = 0
-        for rid, n, prefix_len in zip(fb.rids, fb.extend_seq_lens_cpu,
-                                      fb.extend_prefix_lens_cpu, strict=True):
+        for i, (rid, n, prefix_len) in enumerate(zip(fb.rids, fb.extend_seq_lens_cpu,
+                                                     fb.extend_prefix_lens_cpu, strict=True)):
             end = start + n
-            if isinstance(rid, str) and rid.startswith(self.config.rid_prefix):
+            if i in state.dumped_rows:
                 self._submit(rid, int(prefix_len), int(n),
                              [(protocol.HIDDEN_KEY, state.buf[start:end]),
                               (protocol.INPUT_IDS_KEY, ids[start:end]),
@@ -449,9 +487,9 @@ class CaptureSession:
         if self.writer is None:
             return
         fb = state.forward_batch
-        for rid, n, prefix_len in zip(fb.rids, fb.extend_seq_lens_cpu,
-                                      fb.extend_prefix_lens_cpu, strict=True):
-            if isinstance(rid, str) and rid.startswith(self.config.rid_prefix):
+        for i, (rid, n, prefix_len) in enumerate(zip(fb.rids, fb.extend_seq_lens_cpu,
+                                                     fb.extend_prefix_lens_cpu, strict=True)):
+            if i in state.dumped_rows:
                 ends_at, _ = self._track_chunk(rid, int(prefix_len), int(n))
                 self.writer.fail_request(rid, reason, ends_at)
 
