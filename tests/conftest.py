@@ -111,10 +111,13 @@ def _dump_server(tmp: Path, model: Path, name: str, *, args: list[str] = (),
 
 @pytest.fixture(scope="session")
 def llama_server(tmp_path_factory, tiny_models) -> Iterator[DumpServer]:
-    """Tiny Llama, dump on (auto layers + final state), chunked prefill of CHUNK tokens, and
-    SGLang's own aux capture on (``return_hidden_states`` returns the EAGLE-3 layers)."""
+    """Tiny Llama, dump on (auto layers + final state), chunked prefill of CHUNK tokens with
+    mixed chunks (``--enable-mixed-chunk``: a prefill beside running decodes is one MIXED
+    forward), and SGLang's own aux capture on (``return_hidden_states`` returns the EAGLE-3
+    layers)."""
     tmp = tmp_path_factory.mktemp("llama-server")
-    yield from _dump_server(tmp, tiny_models / "tiny-llama", "tiny-llama")
+    yield from _dump_server(tmp, tiny_models / "tiny-llama", "tiny-llama",
+                            args=["--enable-mixed-chunk"])
 
 
 @pytest.fixture(scope="session")

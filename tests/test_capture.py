@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import stat
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -107,6 +109,38 @@ def test_sixteen_concurrent_requests_get_their_own_rows(llama_server):
         assert d.positions == list(range(len(ids))), rid
         ref = hf_hidden_states(s.model, ids, torch.bfloat16)
         assert_bf16_close(d.hidden[:, 0], ref[layers[0]], rid)
+
+
+def test_mixed_chunk_decode_tails_are_ignored(llama_server):
+    """With --enable-mixed-chunk (on in ``llama_server``) a prompt prefilled beside running
+    decodes runs as a MIXED forward, in which each decoding request is a one-token extend row
+    (prefix = sequence length - 1). Those rows are not new attempts of their requests: every
+    dump completes whole and no error marker appears later (issue 17)."""
+    s = llama_server
+    log_start = len(s.server.log())
+    lengths = [7 + 11 * i for i in range(8)]  # 7 .. 84 tokens, up to 3 chunks
+    prompts = {f"hsdump-mixed-{i}": prompt(300 + i, n) for i, n in enumerate(lengths)}
+
+    def run(i: int) -> None:
+        time.sleep(0.2 * i)  # staggered: each prompt prefills while earlier ones decode
+        rid = f"hsdump-mixed-{i}"
+        meta = s.server.generate(prompts[rid], rid=rid, max_new_tokens=12)["meta_info"]
+        assert meta["cached_tokens"] == 0 and meta["completion_tokens"] >= 2, meta
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        list(pool.map(run, range(len(prompts))))
+    log = s.server.log()[log_start:]
+    assert re.search(r"Prefill batch.*#running-req: [1-9]", log), "no prefill beside a decode"
+    layers = server_layers(s.dump_dir)
+    for rid, ids in prompts.items():
+        d = read_dump(s.dump_dir, rid)
+        assert d.input_ids == ids and d.positions == list(range(len(ids))), rid
+        assert_bf16_close(d.hidden[:, 0], hf_hidden_states(s.model, ids, torch.bfloat16)[layers[0]],
+                          rid)
+    # Every request has finished decoding: a decode row taken as an attempt would show by now.
+    for rid in prompts:
+        status = protocol.request_status(s.dump_dir, rid)
+        assert status.error is None and status.done is not None, (rid, status)
 
 
 def _request_dirs(dump_dir) -> set[str]:

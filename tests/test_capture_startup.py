@@ -135,6 +135,8 @@ RESOLVED_REFUSALS = [
      "different requests and rows. Remove --dwdp-size"),
     ("pdmux", {"enable_pdmux": True}, "Remove --enable-pdmux"),
     ("multi-node-dp", {"nnodes": 2, "dp_size": 2, "tp_size": 2}, "--dp-size 2 across --nnodes 2"),
+    ("disaggregation-decode", {"disaggregation_mode": "decode"},
+     "--disaggregation-mode decode: this server only decodes"),
 ]
 
 

@@ -90,6 +90,13 @@ def find_problems(cfg: Any) -> list[str]:
             "PD-multiplexing runs prefill as split-prefill forwards, which are never dumped. "
             "Remove --enable-pdmux."
         )
+    if str(cfg.disaggregation_mode) == "decode":
+        problems.append(
+            "--disaggregation-mode decode: this server only decodes; every prompt is "
+            "prefilled (and so dumped) on the prefill server, so the client would wait for "
+            "dumps that never come. Set SGLANG_HS_DUMP_DIR on the prefill server "
+            "(--disaggregation-mode prefill) or on a server without disaggregation."
+        )
     if (cfg.nnodes or 1) > 1 and (cfg.dp_size or 1) > 1:
         problems.append(
             f"--dp-size {cfg.dp_size} across --nnodes {cfg.nnodes}: the replicas on the other "

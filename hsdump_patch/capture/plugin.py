@@ -9,8 +9,9 @@ at all. Otherwise it registers three hooks with SGLang's ``HookRegistry``:
 * after ``ModelRunner.init_cuda_graphs`` (each scheduler, after graph capture, every TP rank):
   check again on what the scheduler actually runs (authoritative), then install the capture on
   the target model runner (never on a draft runner);
-* after ``ForwardBatch.init_new``: note the prompt length of each dumped request, so the
-  writer knows which chunk completes it (CPU-side, no device sync).
+* after ``ForwardBatch.init_new``: note the prompt length of each dumped request prefilled
+  in an extend forward, so the writer knows which chunk completes it, and which rows are
+  decode tails (CPU-side, no device sync).
 
 SGLang only logs an exception raised by ``register()`` itself, so errors are raised from the
 hooks, where they stop the server at start-up with the message.
@@ -76,6 +77,6 @@ def _note_prompt_lengths(result: Any, cls: Any, batch: Any, *args: Any, **kwargs
     if _session is None or batch is None:
         return
     try:
-        _session.record_prompt_lengths(batch)
+        _session.record_prompt_lengths(batch, result)
     except Exception:
         logger.exception("hsdump: could not record prompt lengths; the server keeps serving")

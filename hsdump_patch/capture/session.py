@@ -4,10 +4,13 @@ bookkeeping, and hand-off of each request's rows to the writer.
 Installed identically on every tensor-parallel rank (so the collective sequence is the same
 everywhere); only the writer rank (attention-TP rank 0) copies rows and writes files.
 
-Device memory: the writer rank packs each dumped forward's rows into one ``[T, S, H]`` buffer
-that is reserved at install time (``reserve_rows`` rows: the most tokens one forward can
-prefill) and reused, so the extra memory is fixed, visible at start-up and never doubled by
-the CPU running ahead; a forward larger than the reservation grows it once (logged).
+Device memory: the writer rank packs each dumped forward's rows into a ``[T, S, H]`` buffer.
+``CAPTURE_BUFFERS`` (2) of them are reserved at install time (``reserve_rows`` rows each: the
+most tokens one forward can prefill) and used in turn (:class:`CaptureBuffers`), so the extra
+memory is fixed, logged at start-up and never grows with the CPU running ahead; a forward
+larger than the reservation grows its buffer once (logged). Two buffers, not one, so that no
+forward waits for the previous forward's device-to-host copies (they start after its last
+layer): forward N only waits, on the stream, for forward N-2's, long finished.
 
 Every rank writes a marker at install; the first dumped forward on each rank checks that all
 ranks of its node have one, and refuses to serve otherwise (SGLang only logs a plugin hook
@@ -65,27 +68,103 @@ class CaptureNotInstalled(RuntimeError):
 class _ForwardState:
     """What one dumped forward has captured so far (rows packed as ``[T, S, H]``)."""
 
-    def __init__(self, session: CaptureSession, forward_batch: Any, rows: int) -> None:
-        self.session = session
+    def __init__(self, buffers: CaptureBuffers | None, forward_batch: Any, rows: int) -> None:
+        self.buffers = buffers  # None on a non-writer rank: nothing is stored
         self.forward_batch = forward_batch
         self.rows = rows
         self.buf: torch.Tensor | None = None
         self.captured: set[int] = set()
         self.error: str | None = None
+        self.dumped_rows: frozenset[int] = frozenset()  # batch rows (requests) to hand off
 
     def store(self, slot: int, tensor: torch.Tensor) -> None:
         # Runs inside SGLang's layer code: it must never raise.
-        if not self.session.is_writer or self.error is not None:
+        if self.buffers is None or self.error is not None:
             return
         try:
             if tensor.shape[0] < self.rows:
                 raise ValueError(f"captured {tensor.shape[0]} rows, the batch has {self.rows}")
             if self.buf is None:
-                self.buf = self.session.packed_buffer(self.rows)
+                self.buf = self.buffers.acquire(self.rows)
             self.buf[:, slot].copy_(tensor[: self.rows])
             self.captured.add(slot)
         except Exception as e:
             self.error = f"capture of slot {slot} failed: {type(e).__name__}: {e}"
+
+
+CAPTURE_BUFFERS = 2
+
+
+class CaptureBuffers:
+    """The writer rank's ``[T, S, H]`` device buffers, used in turn by dumped forwards.
+
+    A forward's fill must not overwrite rows whose device-to-host copies are still running.
+    Those copies start after the forward's last layer, so with one buffer (``count=1``, the
+    ordering before issue 17) forward N+1 waited at its first capture for all of forward N's
+    copies. With ``count`` buffers, forward N reuses forward N-count's buffer and waits (on
+    the stream, never on the host) only for that forward's copies. Memory: ``count`` buffers.
+    """
+
+    def __init__(self, writer: DumpWriter, slots: int, hidden: int, dtype: torch.dtype,
+                 device: torch.device, count: int = CAPTURE_BUFFERS) -> None:
+        if count < 1:
+            raise ValueError(f"count must be >= 1, not {count}")
+        self.writer = writer
+        self.slots, self.hidden, self.dtype, self.device = slots, hidden, dtype, device
+        self._bufs: list[torch.Tensor | None] = [None] * count
+        self._copied: list[torch.cuda.Event | None] = [None] * count  # its last copies
+        self._next = 0
+        self._current: int | None = None
+
+    @property
+    def count(self) -> int:
+        return len(self._bufs)
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes held by the buffers now."""
+        return sum(b.nbytes for b in self._bufs if b is not None)
+
+    def reserve(self, rows: int) -> None:
+        """Allocate every buffer for ``rows`` tokens now (at install: fail early, log size)."""
+        for i in range(self.count):
+            self._ensure(i, rows)
+        one = self._bufs[0]
+        assert one is not None
+        logger.info(
+            "hsdump: capture buffer of %d tokens x %d states x %d (%.0f MiB) on %s, %d used in "
+            "turn: %.0f MiB of device memory in all", rows, self.slots, self.hidden,
+            one.nbytes / (1 << 20), self.device, self.count, self.nbytes / (1 << 20))
+
+    def _ensure(self, i: int, rows: int) -> torch.Tensor:
+        buf = self._bufs[i]
+        if buf is None or buf.shape[0] < rows:
+            if buf is not None:
+                logger.warning(
+                    "hsdump: a forward of %d tokens exceeds the reserved %d; growing capture "
+                    "buffer %d (lower --mem-fraction-static if memory is tight)",
+                    rows, buf.shape[0], i)
+            self._bufs[i] = None  # its pending copies keep its memory (record_stream)
+            buf = self._bufs[i] = torch.empty((rows, self.slots, self.hidden), dtype=self.dtype,
+                                              device=self.device)
+        return buf
+
+    def acquire(self, rows: int) -> torch.Tensor:
+        """The next buffer's first ``rows`` rows, free for writing on the current stream: the
+        stream waits for the copies of the forward that used it last (``count`` forwards ago)."""
+        i = self._current = self._next
+        self._next = (i + 1) % self.count
+        buf = self._ensure(i, rows)
+        copied = self._copied[i]
+        if copied is not None:
+            torch.cuda.current_stream().wait_event(copied)
+        return buf[:rows]
+
+    def handed_off(self) -> None:
+        """The forward that acquired a buffer has submitted all its rows to the writer."""
+        if self._current is not None:
+            self._copied[self._current] = self.writer.copies_event()
+            self._current = None
 
 
 def _forward_batch_of(args: tuple, kwargs: dict) -> Any:
@@ -137,6 +216,10 @@ class CaptureSession:
 
         self.config = config
         self.extend_mode = ForwardMode.EXTEND
+        # MIXED: --enable-mixed-chunk's prefill beside running decodes (their rows are tails)
+        self.prefill_modes = (ForwardMode.EXTEND, ForwardMode.MIXED)
+        # (rid, prefix length) of decode tails seen by ForwardBatch.init_new, not yet forwarded
+        self.decode_tails: OrderedDict[tuple[str, int], None] = OrderedDict()
         self.stack = locate_decoder_stack(runner.model)
         self.layers, self.layers_source = self._resolve_layers()
         self.slots = len(self.layers) + int(config.dump_final)
@@ -155,7 +238,7 @@ class CaptureSession:
 
         self.sglang_version = sglang.__version__
         self.writer: DumpWriter | None = None
-        self._buf: torch.Tensor | None = None
+        self.buffers: CaptureBuffers | None = None
         protocol.make_private_dir(config.dump_dir)
         self.rank_marker, self.peer_markers = _rank_markers(config.dump_dir, server_args)
         self.peers_checked = False
@@ -167,7 +250,9 @@ class CaptureSession:
                 threads=config.writer_threads,
                 device=self.device,
             )
-            self.packed_buffer(reserve_rows(server_args))
+            self.buffers = CaptureBuffers(self.writer, self.slots, self.stack.hidden_size,
+                                          self.dtype, self.device)
+            self.buffers.reserve(reserve_rows(server_args))
             info = protocol.ServerInfo(
                 model=self.model_name,
                 architecture=self.stack.architecture,
@@ -216,26 +301,6 @@ class CaptureSession:
             )
         return layers, source
 
-    def packed_buffer(self, rows: int) -> torch.Tensor:
-        """The writer's ``[rows, S, H]`` buffer for one forward, free for writing on the current
-        stream: reused across forwards, grown (once per new maximum) only for a larger one."""
-        assert self.writer is not None
-        if self._buf is None or self._buf.shape[0] < rows:
-            if self._buf is not None:
-                logger.warning(
-                    "hsdump: a forward of %d tokens exceeds the reserved %d; growing the capture "
-                    "buffer (lower --mem-fraction-static if memory is tight)",
-                    rows, self._buf.shape[0])
-            self._buf = None  # its pending copies keep its memory (record_stream)
-            self._buf = torch.empty((rows, self.slots, self.stack.hidden_size), dtype=self.dtype,
-                                    device=self.device)
-            logger.info("hsdump: capture buffer of %d tokens x %d states x %d (%.0f MiB) on %s",
-                        rows, self.slots, self.stack.hidden_size,
-                        self._buf.nbytes / (1 << 20), self.device)
-        # The previous forward's rows may still be on their way to the host.
-        self.writer.wait_for_copies()
-        return self._buf[:rows]
-
     def check_peers(self) -> None:
         """Raise :class:`CaptureNotInstalled` unless every rank of this node installed."""
         launcher = os.getppid()
@@ -271,28 +336,57 @@ class CaptureSession:
 
     # ------------------------------------------------------------------ per forward
 
-    def record_prompt_lengths(self, batch: Any) -> None:
-        """Remember prompt lengths of dumped requests (from ``ForwardBatch.init_new``)."""
+    def record_prompt_lengths(self, batch: Any, fb: Any = None) -> None:
+        """From ``ForwardBatch.init_new`` (``batch``, its result ``fb``): remember the prompt
+        length of each dumped request prefilled in this forward, and which of its dumped rows
+        are decode tails.
+
+        Only extend forwards are looked at (decode steps hold no prompt rows). A row whose
+        prefix reaches the prompt's end is a request still decoding, as a one-token extend
+        (prefix = sequence length - 1): ``--enable-mixed-chunk`` adds every running request
+        to a prefill forward that way. It is neither dumped nor a new attempt.
+        """
+        if fb is None or fb.forward_mode not in self.prefill_modes:
+            return
+        reqs, prefixes = getattr(batch, "reqs", None) or (), fb.extend_prefix_lens_cpu
+        if prefixes is None or len(prefixes) != len(reqs):
+            return
         prefix = self.config.rid_prefix
-        for req in getattr(batch, "reqs", None) or ():
+        for req, prefix_len in zip(reqs, prefixes, strict=True):
             rid = req.rid
-            if isinstance(rid, str) and rid.startswith(prefix):
-                self.prompt_lens[rid] = len(req.origin_input_ids)
-        while len(self.prompt_lens) > _MAX_TRACKED:
-            self.prompt_lens.popitem(last=False)
+            if not (isinstance(rid, str) and rid.startswith(prefix)):
+                continue
+            prompt_len = len(req.origin_input_ids)
+            if prefix_len >= prompt_len:
+                self.decode_tails[(rid, int(prefix_len))] = None
+            else:
+                self.prompt_lens[rid] = prompt_len
+        for tracked in (self.prompt_lens, self.decode_tails):
+            while len(tracked) > _MAX_TRACKED:
+                tracked.popitem(last=False)
+
+    def _dumped_rows(self, fb: Any) -> list[int]:
+        """Indices of the rows of ``fb`` to dump: dumped rids, decode tails left out."""
+        prefix = self.config.rid_prefix
+        rows = []
+        for i, (rid, prefix_len) in enumerate(zip(fb.rids, fb.extend_prefix_lens_cpu,
+                                                  strict=True)):
+            if not (isinstance(rid, str) and rid.startswith(prefix)):
+                continue
+            if self.decode_tails.pop((rid, int(prefix_len)), False) is None:
+                continue  # a decode tail (popped: each is forwarded once)
+            rows.append(i)
+        return rows
 
     def _dumpable(self, fb: Any) -> bool:
-        if fb is None or fb.forward_mode != self.extend_mode:
+        if fb is None or fb.forward_mode not in self.prefill_modes:
             return False
-        if getattr(fb, "_original_forward_mode", None) not in (None, self.extend_mode):
+        if getattr(fb, "_original_forward_mode", None) not in (None, fb.forward_mode):
             return False
         rids, lens = fb.rids, fb.extend_seq_lens_cpu
         if not rids or lens is None or len(rids) != len(lens):
             return False
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            return False
-        prefix = self.config.rid_prefix
-        return any(isinstance(r, str) and r.startswith(prefix) for r in rids)
+        return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
     def _before_forward(self, module: Any, args: tuple, kwargs: dict) -> None:
         self.state = None
@@ -300,12 +394,16 @@ class CaptureSession:
             fb = _forward_batch_of(args, kwargs)
             if not self._dumpable(fb):
                 return
+            rows = self._dumped_rows(fb)
+            if not rows:
+                return
         except Exception:
             self._count_error("deciding whether to dump a forward")
             return
         if not self.peers_checked:
             self.check_peers()  # raises into the scheduler: refuse to serve
-        self.state = _ForwardState(self, fb, int(sum(fb.extend_seq_lens_cpu)))
+        self.state = _ForwardState(self.buffers, fb, int(sum(fb.extend_seq_lens_cpu)))
+        self.state.dumped_rows = frozenset(rows)
 
     def _after_forward(self, module: Any, args: tuple, kwargs: dict, output: Any) -> None:
         state, self.state = self.state, None
@@ -316,6 +414,9 @@ class CaptureSession:
         except Exception as e:
             self._count_error("handing a forward's rows to the writer")
             self._fail_batch(state, f"internal error in the capture patch: {type(e).__name__}: {e}")
+        finally:
+            if self.buffers is not None:
+                self.buffers.handed_off()
 
     def _hand_off(self, state: _ForwardState, output: Any) -> None:
         t0 = time.perf_counter()
@@ -335,10 +436,10 @@ class CaptureSession:
         positions = fb.positions[: state.rows].to(torch.int64, copy=True)
         assert self.writer is not None and state.buf is not None
         start = 0
-        for rid, n, prefix_len in zip(fb.rids, fb.extend_seq_lens_cpu,
-                                      fb.extend_prefix_lens_cpu, strict=True):
+        for i, (rid, n, prefix_len) in enumerate(zip(fb.rids, fb.extend_seq_lens_cpu,
+                                                     fb.extend_prefix_lens_cpu, strict=True)):
             end = start + n
-            if isinstance(rid, str) and rid.startswith(self.config.rid_prefix):
+            if i in state.dumped_rows:
                 self._submit(rid, int(prefix_len), int(n),
                              [(protocol.HIDDEN_KEY, state.buf[start:end]),
                               (protocol.INPUT_IDS_KEY, ids[start:end]),
@@ -386,9 +487,9 @@ class CaptureSession:
         if self.writer is None:
             return
         fb = state.forward_batch
-        for rid, n, prefix_len in zip(fb.rids, fb.extend_seq_lens_cpu,
-                                      fb.extend_prefix_lens_cpu, strict=True):
-            if isinstance(rid, str) and rid.startswith(self.config.rid_prefix):
+        for i, (rid, n, prefix_len) in enumerate(zip(fb.rids, fb.extend_seq_lens_cpu,
+                                                     fb.extend_prefix_lens_cpu, strict=True)):
+            if i in state.dumped_rows:
                 ends_at, _ = self._track_chunk(rid, int(prefix_len), int(n))
                 self.writer.fail_request(rid, reason, ends_at)
 

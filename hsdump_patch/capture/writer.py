@@ -232,6 +232,15 @@ class DumpWriter:
         if self._side_stream is not None:
             torch.cuda.current_stream().wait_stream(self._side_stream)
 
+    def copies_event(self) -> torch.cuda.Event | None:
+        """An event recorded after every copy enqueued so far (None off CUDA): a stream that
+        waits on it may overwrite the tensors submitted before this call."""
+        if self._side_stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self._side_stream)
+        return event
+
     @property
     def thread_ids(self) -> list[int]:
         """Kernel thread ids of the writer threads (for CPU accounting)."""

@@ -1,0 +1,422 @@
+#!/usr/bin/env python3
+"""Forward time with the dump on vs off, through the real capture ordering (issue 17).
+
+A synthetic prefill forward (a loop of ``--layers`` decoder layers, each two matmuls sized so
+that the forward takes about ``--us-per-token`` microseconds per token) is run with the dump
+off, and on through the project's own capture code, driven in the order
+``hsdump_patch/capture/session.py`` uses:
+
+* at the first captured layer the forward's ``_ForwardState`` acquires a
+  :class:`~hsdump_patch.capture.session.CaptureBuffers` buffer (which orders the fill after
+  the copies of the forward that used that buffer last), and every captured layer and the
+  final state copy their rows into it (``_ForwardState.store``);
+* after the last layer each request's rows (plus ``input_ids`` and ``positions``) are
+  submitted to the project's :class:`~hsdump_patch.capture.writer.DumpWriter`, then
+  ``CaptureBuffers.handed_off`` records the copies;
+* then the host waits for the forward, as the scheduler does for its sampled tokens.
+
+Three conditions in one run, in ABBA order (``off, on, old, old, on, off`` per round): ``off``
+(no capture), ``on`` (the shipped two buffers used in turn) and ``old`` (one buffer, the
+ordering before issue 17: each forward waits at its first capture for all of the previous
+forward's copies). Each forward's wall time is one sample; the table gives medians and the
+ratios to ``off``, the stream stall at the first capture and the host time blocked in
+``submit`` per forward. Every dumped value (hidden states, ids, positions) is read back from
+the files and checked against what the forward produced; a failed check exits 1.
+
+    python scripts/bench_forward.py                  # cuda: Kimi-K2.5 shapes into /dev/shm
+    python scripts/bench_forward.py --device cpu     # tiny shapes, a smoke test anywhere
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from hsdump_patch import protocol
+from hsdump_patch.capture import config
+from hsdump_patch.capture.session import CAPTURE_BUFFERS, CaptureBuffers, _ForwardState
+from hsdump_patch.capture.writer import DumpWriter
+
+VOCAB = 163_840  # Kimi-K2.5's vocabulary
+CONDITIONS = ("off", "on", "old")
+ABBA = ("off", "on", "old", "old", "on", "off")
+GOAL = 1.01
+
+# Per-device defaults: Kimi-K2.5 shapes on a GPU (61 layers, EAGLE-3 layers 2, 30, 58 plus the
+# final state, hidden 7168, bf16), tiny ones on CPU (the unit test).
+DEFAULTS = {
+    "cuda": {"hidden": 7168, "layers": 61, "aux": "2,30,58", "chunks": "2048,8192,16384",
+             "us": "5,10,20,40", "requests": 8, "forwards": 3, "rounds": 1},
+    "cpu": {"hidden": 64, "layers": 6, "aux": "1,3", "chunks": "32,64", "us": "100",
+            "requests": 3, "forwards": 3, "rounds": 1},
+}
+
+
+class Model:
+    """A synthetic forward of ``tokens`` tokens: per layer ``x = (x @ w1) @ w2``; at each
+    captured layer the residual ``x`` is overwritten with a known pattern (so the dump can be
+    checked exactly), as is the final state."""
+
+    def __init__(self, tokens: int, hidden: int, layers: int, inner: int,
+                 device: torch.device) -> None:
+        self.tokens, self.hidden, self.layers, self.device = tokens, hidden, layers, device
+        g = torch.Generator(device="cpu").manual_seed(0)
+        scale = 1.0 / hidden**0.5
+        self.w1 = (torch.randn(hidden, inner, generator=g) * scale).to(device, torch.bfloat16)
+        self.w2 = (torch.randn(inner, hidden, generator=g) * scale).to(device, torch.bfloat16)
+        self.x = torch.zeros(tokens, hidden, dtype=torch.bfloat16, device=device)
+        self.h = torch.empty(tokens, inner, dtype=torch.bfloat16, device=device)
+        self.final = torch.empty_like(self.x)
+        self._t = torch.arange(tokens, device=device)
+        self._col = (torch.arange(hidden, device=device) % 101).to(torch.bfloat16)
+        self.ids = torch.empty(tokens, dtype=torch.int32, device=device)
+
+    def fill(self, out: torch.Tensor, forward: int, slot: int) -> torch.Tensor:
+        """Write ``pattern(forward, slot)`` (exact in bf16) into ``out``."""
+        row = ((self._t * 7 + slot * 11 + forward * 13) % 97).to(torch.bfloat16)
+        torch.add(row[:, None], self._col[None, :], out=out)
+        return out
+
+    def layer(self) -> None:
+        torch.mm(self.x, self.w1, out=self.h)
+        torch.mm(self.h, self.w2, out=self.x)
+
+    def embed(self, forward: int) -> None:
+        torch.remainder(self._t * 31 + forward, VOCAB, out=self.ids)
+
+
+def expected_hidden(rows: range, slots: int, hidden: int, forward: int) -> torch.Tensor:
+    """The pattern of ``Model.fill`` on the host, ``[len(rows), slots, hidden]`` float32."""
+    t = torch.arange(rows.start, rows.stop, dtype=torch.int64)
+    s = torch.arange(slots)
+    row = (t[:, None] * 7 + s[None, :] * 11 + forward * 13) % 97
+    return row[:, :, None].float() + (torch.arange(hidden) % 101).float()[None, None, :]
+
+
+@dataclass
+class Sample:
+    wall_ms: float
+    gpu_ms: float
+    stall_ms: float  # extra stream time of the first capture over a later one (its wait)
+    host_wait_ms: float  # the forward thread blocked in submit (in-flight cap)
+    handoff_ms: float  # host time of the hand-off (the submits)
+
+
+@dataclass
+class Point:
+    tokens: int
+    us_target: float
+    inner: int
+    samples: dict[str, list[Sample]] = field(default_factory=lambda: {c: [] for c in CONDITIONS})
+
+    def median(self, cond: str, attr: str = "wall_ms") -> float:
+        return statistics.median(getattr(s, attr) for s in self.samples[cond])
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, device: torch.device) -> None:
+        self.args, self.device = args, device
+        self.cuda = device.type == "cuda"
+        self.aux = [int(x) for x in args.aux_layers.split(",")]
+        self.slots = len(self.aux) + 1
+        self.writer = DumpWriter(args.dump_dir, max_inflight_bytes=args.cap,
+                                 min_free_bytes=args.min_free, threads=args.threads,
+                                 device=device)
+        self.forward_no = 0
+        self.verified_values = 0
+        self.verified_files = 0
+        self.errors: list[str] = []
+
+    # ---------------------------------------------------------------- one forward
+
+    def bounds(self, tokens: int) -> list[tuple[int, int]]:
+        n = min(self.args.requests, tokens)
+        cuts = [round(tokens * i / n) for i in range(n + 1)]
+        return [(a, b) for a, b in itertools.pairwise(cuts) if b > a]
+
+    def forward(self, model: Model, buffers: CaptureBuffers | None, tag: str
+                ) -> tuple[Sample, int]:
+        """One forward (dumped when ``buffers`` is given); return its sample and number."""
+        f = self.forward_no = self.forward_no + 1
+        ev = (lambda: torch.cuda.Event(enable_timing=True)) if self.cuda else None
+        marks: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        wait0 = self.writer.stats.forward_wait_s
+        t0 = time.perf_counter()
+        start = ev() if ev else None
+        if start is not None:
+            start.record()
+        model.embed(f)
+        state = _ForwardState(buffers, None, model.tokens) if buffers is not None else None
+        slot_of = {layer: slot for slot, layer in enumerate(self.aux)}
+        for i in range(model.layers):
+            slot = slot_of.get(i)
+            if slot is not None:
+                model.fill(model.x, f, slot)
+                if state is not None:
+                    a, b = (ev(), ev()) if ev else (None, None)
+                    if a is not None:
+                        a.record()
+                    state.store(slot, model.x)
+                    if b is not None:
+                        b.record()
+                        marks.append((a, b))
+            model.layer()
+        model.fill(model.final, f, self.slots - 1)  # the final norm's output
+        t1 = time.perf_counter()
+        if state is not None:
+            self.hand_off(state, model, f, tag)
+        handoff = (time.perf_counter() - t1) * 1e3
+        end = ev() if ev else None
+        if end is not None:
+            end.record()
+            end.synchronize()  # the scheduler waits for the sampled tokens, not for the copies
+        wall = (time.perf_counter() - t0) * 1e3
+        gpu = start.elapsed_time(end) if start is not None and end is not None else wall
+        stall = 0.0
+        if len(marks) > 1:
+            times = [a.elapsed_time(b) for a, b in marks]
+            stall = max(0.0, times[0] - statistics.median(times[1:]))
+        host = (self.writer.stats.forward_wait_s - wait0) * 1e3
+        return Sample(wall, gpu, stall, host, handoff), f
+
+    def hand_off(self, state: _ForwardState, model: Model, f: int, tag: str) -> None:
+        """What ``CaptureSession._hand_off`` does, for one request per row range."""
+        assert state.buffers is not None
+        try:
+            state.store(self.slots - 1, model.final)
+            if state.error is not None or len(state.captured) != self.slots:
+                raise RuntimeError(state.error or f"captured slots {sorted(state.captured)}")
+            assert state.buf is not None
+            ids = model.ids[: state.rows].to(torch.int64, copy=True)
+            positions = torch.cat([torch.arange(b - a, device=self.device)
+                                   for a, b in self.bounds(model.tokens)])
+            for r, (a, b) in enumerate(self.bounds(model.tokens)):
+                rid = f"bench-{tag}-{f}-{r}"
+                self.writer.begin_request(rid)
+                meta = protocol.ChunkMeta(
+                    rid=rid, prefix_len=0, layers=tuple(self.aux), has_final=True,
+                    model="bench_forward", tp_size=1, sglang_version="0.5.23",
+                    hsdump_version="bench")
+                self.writer.submit(meta, [(protocol.HIDDEN_KEY, state.buf[a:b]),
+                                          (protocol.INPUT_IDS_KEY, ids[a:b]),
+                                          (protocol.POSITIONS_KEY, positions[a:b])], b - a)
+        finally:
+            state.buffers.handed_off()
+
+    # ---------------------------------------------------------------- checks
+
+    def verify(self, model: Model, dumped: list[tuple[str, int]]) -> None:
+        """Read back every file of ``dumped`` forwards and compare every value; delete them."""
+        if not self.writer.flush(timeout=600):
+            self.errors.append("the writer did not drain in 600 s")
+            return
+        for tag, f in dumped:
+            for r, (a, b) in enumerate(self.bounds(model.tokens)):
+                rid = f"bench-{tag}-{f}-{r}"
+                d = protocol.rid_dir(self.args.dump_dir, rid)
+                try:
+                    if not (d / protocol.DONE_MARKER).is_file():
+                        raise RuntimeError(f"no {protocol.DONE_MARKER}")
+                    t = load_file(d / protocol.chunk_filename(0))
+                    hidden = t[protocol.HIDDEN_KEY]
+                    want = expected_hidden(range(a, b), self.slots, model.hidden, f)
+                    if hidden.shape != want.shape or not torch.equal(hidden.float(), want):
+                        raise RuntimeError("hidden states differ from the forward's")
+                    ids = (torch.arange(a, b) * 31 + f) % VOCAB
+                    if not torch.equal(t[protocol.INPUT_IDS_KEY], ids):
+                        raise RuntimeError("input_ids differ")
+                    if not torch.equal(t[protocol.POSITIONS_KEY], torch.arange(b - a)):
+                        raise RuntimeError("positions differ")
+                    self.verified_values += hidden.numel() + 2 * (b - a)
+                    self.verified_files += 1
+                except Exception as e:
+                    self.errors.append(f"{rid}: {type(e).__name__}: {e}")
+                shutil.rmtree(d, ignore_errors=True)
+
+    # ---------------------------------------------------------------- one point
+
+    def calibrate(self, tokens: int, us: float) -> tuple[Model, int]:
+        """A model whose forward (dump off) takes about ``us`` microseconds per token: the
+        matmuls' inner size is scaled by target / measured, up to three tries."""
+        inner = self.args.hidden
+        for attempt in range(3):
+            inner = max(64, round(inner / 64) * 64)
+            model = Model(tokens, self.args.hidden, self.args.layers, inner, self.device)
+            self.forward(model, None, "cal")
+            t = statistics.median(self.forward(model, None, "cal")[0].gpu_ms for _ in range(3))
+            per_token = t * 1e3 / tokens
+            if abs(per_token / us - 1) < 0.1 or attempt == 2:
+                return model, inner
+            del model
+            inner = inner * us / per_token
+        raise AssertionError("unreachable")
+
+    def point(self, tokens: int, us: float) -> Point:
+        model, inner = self.calibrate(tokens, us)
+        p = Point(tokens, us, inner)
+        buffers = {"on": CaptureBuffers(self.writer, self.slots, model.hidden, torch.bfloat16,
+                                        self.device, CAPTURE_BUFFERS),
+                   "old": CaptureBuffers(self.writer, self.slots, model.hidden, torch.bfloat16,
+                                         self.device, 1)}
+        for b in buffers.values():
+            b.reserve(tokens)
+        for _ in range(self.args.rounds):
+            for cond in ABBA:
+                buf = buffers.get(cond)
+                dumped = []
+                for k in range(self.args.forwards + 1):  # the first one warms up the block
+                    sample, f = self.forward(model, buf, cond)
+                    if buf is not None:
+                        dumped.append((cond, f))
+                    if k:
+                        p.samples[cond].append(sample)
+                self.verify(model, dumped)  # also drains the writer before the next block
+        del model, buffers
+        if self.cuda:
+            torch.cuda.empty_cache()
+        return p
+
+
+def table(points: list[Point]) -> list[dict]:
+    rows = []
+    for p in points:
+        off = p.median("off")
+        rows.append({
+            "tokens": p.tokens, "us_per_token_target": p.us_target,
+            "us_per_token_off": round(off * 1e3 / p.tokens, 2), "inner": p.inner,
+            "off_ms": round(off, 2), "on_ms": round(p.median("on"), 2),
+            "old_ms": round(p.median("old"), 2),
+            "on_vs_off": round(p.median("on") / off, 4),
+            "old_vs_off": round(p.median("old") / off, 4),
+            "gpu_off_ms": round(p.median("off", "gpu_ms"), 2),
+            "gpu_on_ms": round(p.median("on", "gpu_ms"), 2),
+            "gpu_old_ms": round(p.median("old", "gpu_ms"), 2),
+            "handoff_on_ms": round(p.median("on", "handoff_ms"), 3),
+            "stall_on_ms": round(p.median("on", "stall_ms"), 3),
+            "stall_old_ms": round(p.median("old", "stall_ms"), 3),
+            "host_wait_on_ms": round(max(s.host_wait_ms for s in p.samples["on"]), 3),
+            "samples": {c: len(p.samples[c]) for c in CONDITIONS},
+        })
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    print("| tokens | us/token (off) | off ms | on ms (2 buffers) | on/off | old ms (1 buffer) "
+          "| old/off | first-capture stall ms on / old | max host wait ms on "
+          "| device ms off / on / old | hand-off host ms on |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['tokens']} | {r['us_per_token_off']:.1f} | {r['off_ms']:.2f} | "
+              f"{r['on_ms']:.2f} | {r['on_vs_off']:.3f} | {r['old_ms']:.2f} | "
+              f"{r['old_vs_off']:.3f} | {r['stall_on_ms']:.2f} / {r['stall_old_ms']:.2f} | "
+              f"{r['host_wait_on_ms']:.2f} | {r['gpu_off_ms']:.2f} / {r['gpu_on_ms']:.2f} / "
+              f"{r['gpu_old_ms']:.2f} | {r['handoff_on_ms']:.2f} |")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                    help="where the forward runs (default: cuda if available, else cpu)")
+    for name, help_ in (("hidden", "hidden size"), ("layers", "decoder layers"),
+                        ("requests", "requests per forward (each a file)"),
+                        ("forwards", "timed forwards per block (plus one warm-up)"),
+                        ("rounds", "ABBA rounds (samples per condition: 2 x rounds x forwards)")):
+        ap.add_argument(f"--{name}", type=int, default=None,
+                        help=f"{help_} (default: {DEFAULTS['cuda'][name]} on cuda, "
+                             f"{DEFAULTS['cpu'][name]} on cpu)")
+    for name, key, help_ in (("aux-layers", "aux", "captured layers"),
+                             ("chunks", "chunks", "tokens per forward, comma-separated"),
+                             ("us-per-token", "us", "target forward us per token, "
+                                                    "comma-separated")):
+        ap.add_argument(f"--{name}", default=None,
+                        help=f"{help_} (default: {DEFAULTS['cuda'][key]} on cuda, "
+                             f"{DEFAULTS['cpu'][key]} on cpu)")
+    ap.add_argument("--threads", type=int, default=config.DEFAULT_WRITER_THREADS,
+                    help=f"writer threads (default: {config.DEFAULT_WRITER_THREADS})")
+    ap.add_argument("--cap", type=int, default=config.DEFAULT_MAX_INFLIGHT,
+                    help=f"writer in-flight cap, bytes (default: {config.DEFAULT_MAX_INFLIGHT})")
+    ap.add_argument("--min-free", type=int, default=0,
+                    help="writer free-space reserve, bytes (default: 0)")
+    ap.add_argument("--dump-dir", type=Path, default=None,
+                    help="where the files go (default: a fresh folder under /dev/shm if it "
+                         "exists, else the temp dir; removed afterwards)")
+    ap.add_argument("--json", type=Path, default=None, help="write the results here "
+                    "(default: none)")
+    args = ap.parse_args(argv)
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    d = DEFAULTS[args.device]
+    for name, key in (("hidden", "hidden"), ("layers", "layers"), ("requests", "requests"),
+                      ("forwards", "forwards"), ("rounds", "rounds"), ("aux_layers", "aux"),
+                      ("chunks", "chunks"), ("us_per_token", "us")):
+        if getattr(args, name) is None:
+            setattr(args, name, d[key])
+    if 2 * args.rounds * args.forwards < 5:
+        ap.error("fewer than 5 samples per condition: raise --forwards or --rounds")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(0)
+        device = torch.device("cuda", 0)
+    own_dir = args.dump_dir is None
+    if own_dir:
+        base = "/dev/shm" if Path("/dev/shm").is_dir() else None
+        args.dump_dir = Path(tempfile.mkdtemp(prefix="hsdump-bench-forward-", dir=base))
+    args.dump_dir.mkdir(parents=True, exist_ok=True)
+    bench = Bench(args, device)
+    machine = (torch.cuda.get_device_name(device) if device.type == "cuda"
+               else platform.processor() or platform.machine())
+    print(f"# bench_forward {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC on "
+          f"{machine}, torch {torch.__version__}; hidden {args.hidden}, {args.layers} layers, "
+          f"captured {args.aux_layers} + final, {args.requests} requests per forward, "
+          f"{2 * args.rounds * args.forwards} forwards per condition, writer "
+          f"{args.threads} threads into {args.dump_dir}", flush=True)
+    points = []
+    try:
+        for tokens in (int(x) for x in args.chunks.split(",")):
+            for us in (float(x) for x in args.us_per_token.split(",")):
+                t0 = time.perf_counter()
+                points.append(bench.point(tokens, us))
+                r = table(points[-1:])[0]
+                print(f"# {tokens} tokens, ~{us:g} us/token: {json.dumps(r)} "
+                      f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    finally:
+        bench.writer.close()
+        if own_dir:
+            shutil.rmtree(args.dump_dir, ignore_errors=True)
+    rows = table(points)
+    print_table(rows)
+    worst = max(r["on_vs_off"] for r in rows)
+    met = worst <= GOAL
+    print(f"goal on/off <= {GOAL} at every point: {'met' if met else 'NOT met'} "
+          f"(worst {worst:.3f}); verified {bench.verified_values:,} values in "
+          f"{bench.verified_files} files; errors: {len(bench.errors)}")
+    for e in bench.errors[:20]:
+        print(f"error: {e}")
+    if args.json is not None:
+        args.json.write_text(json.dumps({
+            "machine": machine, "torch": torch.__version__, "rows": rows, "goal_met": met,
+            "verified_values": bench.verified_values, "verified_files": bench.verified_files,
+            "errors": bench.errors, "writer": bench.writer.stats.as_dict()}, indent=1))
+    return 1 if bench.errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
