@@ -62,6 +62,8 @@ def test_report_shows_what_each_check_covered(verify_run):
         assert overhead["on"]["prefill_tokens_per_s"] > 0 and overhead["dumped_gb"] > 0
         assert overhead["on"]["undumped_requests"] == []
         assert overhead["capture_buffer"]["hidden"] == 64
+        buf = overhead["capture_buffer"]  # both buffers used in turn are counted
+        assert buf["count"] == 2 and abs(buf["total_mib"] - 2 * buf["mib"]) <= 1, buf
     worst = checks["b", "all"]["data"]["worst"]
     assert worst["max_rel"] <= verify_checks.BF16_MAX_REL
     refusals = checks["e", "resolved config"]["data"]["cases"]

@@ -335,12 +335,14 @@ class TpRun:
 
 
 def capture_buffer(log: str) -> dict[str, int] | None:
-    """The writer's device buffer as the capture logs it (the last, largest one)."""
+    """The writer's device buffers as the capture logs them (the last, largest ones): one
+    buffer's shape and size, how many are used in turn, and their total."""
     found = re.findall(r"hsdump: capture buffer of (\d+) tokens x (\d+) states x (\d+) "
-                       r"\((\d+) MiB\)", log)
+                       r"\((\d+) MiB\) on \S+, (\d+) used in turn: (\d+) MiB", log)
     if not found:
         return None
-    return dict(zip(("tokens", "states", "hidden", "mib"), map(int, found[-1]), strict=True))
+    return dict(zip(("tokens", "states", "hidden", "mib", "count", "total_mib"),
+                    map(int, found[-1]), strict=True))
 
 
 def run_tp(settings: Settings, model: Path, tp: int, dumps: dict[str, Dumped]) -> TpRun:
@@ -441,10 +443,10 @@ def check_overhead(res: TpRun, settings: Settings) -> Verdict:
     buf = res.capture_buffer
     if buf:
         # the same buffer at Kimi-K2.5 / DeepSeek-V3's hidden size, bf16
-        kimi_gib = buf["tokens"] * buf["states"] * KIMI_HIDDEN * 2 / (1 << 30)
+        kimi_gib = buf["count"] * buf["tokens"] * buf["states"] * KIMI_HIDDEN * 2 / (1 << 30)
         data.update(capture_buffer=buf, capture_buffer_gib_at_hidden_7168=round(kimi_gib, 2))
-        mem += (f"; writer's capture buffer {buf['tokens']} tokens, {buf['mib']} MiB "
-                f"({kimi_gib:.2f} GiB at hidden {KIMI_HIDDEN})")
+        mem += (f"; writer's capture buffers {buf['count']} x {buf['tokens']} tokens, "
+                f"{buf['total_mib']} MiB ({kimi_gib:.2f} GiB at hidden {KIMI_HIDDEN})")
     detail = (f"prefill {on['prefill_tokens_per_s']:,.0f} tok/s on vs "
               f"{off['prefill_tokens_per_s']:,.0f} off ({ratio:.0%}); {mem}; writer rank CPU "
               f"{writer_cpu:+.2f} s for {gb:.3f} GB dumped")
