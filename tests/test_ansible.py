@@ -295,7 +295,9 @@ def test_shm_never_shrinks(ansible, host_shm):
 
 # ----------------------------------------------------------------------------- a Debian host
 DEBIAN_TAG = "hsdump-test/debian-host:bookworm"
-DEBIAN_ROOTFS = ROOT / ".cache" / "image" / "rootfs-bookworm"  # tests/image/build_standin.sh
+# Its own root file system: the stand-in image's (tests/image/build_standin.sh) has pip and curl,
+# which a bare host lacks, and sharing one folder let whichever ran first decide its packages.
+DEBIAN_ROOTFS = ROOT / ".cache" / "image" / "rootfs-bookworm-host"
 
 
 @dataclass
@@ -311,8 +313,8 @@ class DebianHost:
 
 @pytest.fixture(scope="module")
 def debian_host(docker_engine, tmp_path_factory) -> Iterator[DebianHost]:
-    """Debian's minbase root file system (the one build_standin.sh bootstraps; bootstrapped
-    here when absent) as a small image, run as a container with apt's lists fetched."""
+    """Debian's minbase root file system with python3 (bootstrapped once into .cache) as a
+    small image, run as a container with apt's lists fetched."""
     if _docker("images", "-q", DEBIAN_TAG).strip() == "":
         if not (DEBIAN_ROOTFS / ".complete").exists():
             require(shutil.which("debootstrap") is not None, "debootstrap (make prereqs)")

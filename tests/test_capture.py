@@ -122,9 +122,15 @@ def test_mixed_chunk_decode_tails_are_ignored(llama_server):
     prompts = {f"hsdump-mixed-{i}": prompt(300 + i, n) for i, n in enumerate(lengths)}
 
     def run(i: int) -> None:
-        time.sleep(0.2 * i)  # staggered: each prompt prefills while earlier ones decode
+        # The first request decodes long (its end of text ignored), so every later one, sent
+        # while it runs, prefills beside its decode rows whatever the machine's speed.
+        time.sleep(0.3 + 0.05 * i if i else 0)
         rid = f"hsdump-mixed-{i}"
-        meta = s.server.generate(prompts[rid], rid=rid, max_new_tokens=12)["meta_info"]
+        body = {"rid": rid, "input_ids": prompts[rid], "sampling_params": {
+            "max_new_tokens": 256 if i == 0 else 12, "temperature": 0, "ignore_eos": True}}
+        r = requests.post(f"{s.url}/generate", json=body, timeout=300)
+        r.raise_for_status()
+        meta = r.json()["meta_info"]
         assert meta["cached_tokens"] == 0 and meta["completion_tokens"] >= 2, meta
 
     with ThreadPoolExecutor(len(prompts)) as pool:

@@ -113,7 +113,8 @@ def test_max_len_truncates_and_pre_tokenized_rows_pass_through(tmp_path, tokeniz
     ({"input_ids": [1, 2], "loss_mask": [1, 2]}, "only 0 and 1"),
     ({"input_ids": [1, "2"], "loss_mask": [1, 1]}, "list of integers"),
     ({"input_ids": [1, 2]}, 'needs "loss_mask"'),
-    ({"messages": [{"role": "user", "content": "only a question"}]}, "no assistant turn after"),
+    ({"messages": [{"role": "user", "content": "only a question"}]},
+     "no assistant turn to train after"),
 ])
 def test_malformed_rows_name_file_line_and_problem(tmp_path, tokenizer, row, problem):
     path = write_jsonl(tmp_path / "d.jsonl", [openai_row(CONV, id="good"), row])

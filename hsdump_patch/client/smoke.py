@@ -138,7 +138,8 @@ def validate(out: Path, fmt: str, info: protocol.ServerInfo, samples: list[Sampl
 def check_regeneration(args: argparse.Namespace, work: Path, tokenizer: Any
                        ) -> tuple[str, bool, str]:
     """A short greedy ``hsdump regenerate`` of two built-in rows (no dump: plain rids): every
-    turn regenerated, and the last turn's ids equal ``/generate``'s for the same prompt."""
+    turn up to the row's first cut one regenerated, and the last turn's ids equal
+    ``/generate``'s for the same prompt."""
     data, out = work / "regen-in.jsonl", work / "regen.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in BUILTIN_ROWS[:2]))
     report = rg.regenerate(rg.parse_args([

@@ -46,14 +46,16 @@ command -v debootstrap >/dev/null || { echo "error: no debootstrap; run 'make pr
 
 mkdir -p "$CACHE"
 os="$CACHE/rootfs-$SUITE"
-if [ ! -e "$os/.complete" ]; then
+include=python3,python3-pip,curl,ca-certificates
+# The marker names what the root holds: a root bootstrapped with other packages is redone.
+if [ "$(cat "$os/.complete" 2>/dev/null)" != "$include" ]; then
   rm -rf "$os"
-  echo "debootstrap $SUITE -> $os"
-  debootstrap --variant=minbase --include=python3,python3-pip,curl,ca-certificates \
+  echo "debootstrap $SUITE ($include) -> $os"
+  debootstrap --variant=minbase --include="$include" \
     "$SUITE" "$os" "$MIRROR" >"$CACHE/debootstrap.log" 2>&1 \
     || { tail -20 "$CACHE/debootstrap.log" >&2; exit 1; }
   rm -rf "$os"/var/cache/apt/archives/*.deb "$os"/var/lib/apt/lists/*
-  touch "$os/.complete"
+  echo "$include" > "$os/.complete"
 fi
 ospy=$(chroot "$os" python3 -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
 [ "$ospy" = "$pyver" ] || { echo "error: $SUITE has python $ospy, $VENV has $pyver" >&2; exit 1; }
