@@ -170,9 +170,10 @@ def _pretokenized(obj: dict[str, Any], where: str) -> tuple[list[int], list[int]
     return ids, mask
 
 
-# Why ``auto`` gave per-turn samples, unless the renderer names it (``TurnSample.fallback``).
-FALLBACK_REASON = ("the turns' serving prompts are not token prefixes of one stream (the "
-                   "template rewrites or drops past turns, or a boundary is not a token boundary)")
+# Why ``auto`` gave per-turn samples (ChatRenderer._single's cases).
+FALLBACK_REASON = ("the turns' serving prompts are not provably token prefixes of one stream "
+                   "(the template rewrites or drops past turns, a boundary is not a token "
+                   "boundary, or a message quotes a turn marker)")
 
 
 def _chat(obj: dict[str, Any], renderer: ChatRenderer | None,
@@ -183,9 +184,7 @@ def _chat(obj: dict[str, Any], renderer: ChatRenderer | None,
         raise SampleError(where, "chat rows need the model's tokenizer (--model)")
     try:
         turns = renderer.render(parse_conversation(obj))
-        fallback = None
-        if getattr(renderer, "policy", None) == "auto" and len(turns) > 1:
-            fallback = getattr(turns[0], "fallback", None) or FALLBACK_REASON
+        fallback = FALLBACK_REASON if renderer.policy == "auto" and len(turns) > 1 else None
         return [(t.suffix, t.input_ids, t.loss_mask) for t in turns], fallback
     except ConversationError as e:
         raise SampleError(where, str(e)) from None
