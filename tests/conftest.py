@@ -158,3 +158,23 @@ def kimi_server(tmp_path_factory, tiny_kimi) -> Iterator[DumpServer]:
     )
     yield s
     s.server.stop()
+
+
+@pytest.fixture(scope="session")
+def qwen3_style_server(tmp_path_factory, sglang_available) -> Iterator[DumpServer]:
+    """A tiny float32 Llama with ChatML / Qwen3 special tokens, served with the Qwen3-style
+    template through ``--chat-template`` (its tokenizer's own template is another one), SGLang's
+    qwen3 reasoning and qwen25 tool-call parsers, dump on with the final state."""
+    from tests.harness import make_models
+
+    tmp = tmp_path_factory.mktemp("qwen3-style-server")
+    model = make_models.make_qwen3_style(tmp / "tiny-qwen3-style")
+    s = start_dump_server(
+        tmp, model, "tiny-qwen3-style",
+        args=["--chunked-prefill-size", str(CHUNK), "--dtype", "float32",
+              "--chat-template", str(make_models.QWEN3_STYLE_TEMPLATE),
+              "--reasoning-parser", "qwen3", "--tool-call-parser", "qwen25"],
+        env={"SGLANG_HS_DUMP_FINAL": "1"},
+    )
+    yield s
+    s.server.stop()

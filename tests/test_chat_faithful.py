@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
+from hsdump_patch import protocol
 from hsdump_patch.client.conversation import (
     ChatRenderer,
     ConversationError,
@@ -107,8 +109,86 @@ ADVERSARIAL = [
 ]
 
 
+def _agent_trace(call, tool_result) -> dict:
+    """A 30-message agent trace: a query, 14 thinking tool-call turns each answered by a tool
+    result (quoting markers now and then), and a final answer."""
+    msgs = [{"role": "system", "content": "You are an agent."},
+            {"role": "user", "content": "Plan a trip: check the weather in 14 cities."}]
+    for n in range(14):
+        msgs += [{"role": "assistant", "content": "" if n % 3 else f"City {n}.",
+                  "reasoning_content": f"Step {n}: next city." + (" 想" if n % 4 == 0 else ""),
+                  "tool_calls": [call(n, f"C{n}")]},
+                 tool_result(n, f"{n} degrees" + (f" {THINK}" if n == 5 else ""))]
+    msgs.append({"role": "assistant", "content": "All checked 🙂", "reasoning_content": "Done."})
+    return {"id": "agent-30", "tools": TOOLS, "messages": msgs}
+
+
+def _kimi_tool(n: int, text: str) -> dict:
+    return {"role": "tool", "tool_call_id": f"functions.get_weather:{n}", "content": text}
+
+
+ADVERSARIAL.append((_agent_trace(_call, _kimi_tool), None))
+
+Q_HEADER = "<|im_start|>assistant\n"
+
+
+def _q_call(n: int, city: str) -> dict:
+    return {"id": f"call_{n}", "type": "function",
+            "function": {"name": "get_weather", "arguments": f'{{"city": "{city}"}}'}}
+
+
+def _q_tool(n: int, text: str) -> dict:
+    return {"role": "tool", "tool_call_id": f"call_{n}", "content": text}
+
+
+# The same shapes for the Qwen3-style template (ChatML markers quoted, enable_thinking).
+QWEN3_STYLE = [
+    ({"id": "quotes-no-system", "messages": [
+        {"role": "user", "content": f"Say {Q_HEADER} and {THINK} and </think> and <|im_end|>."},
+        {"role": "assistant", "content": f"{Q_HEADER} then </think> 好 🙂",
+         "reasoning_content": f"Quote {Q_HEADER} 想"},
+        {"role": "user", "content": "再来 🎉"},
+        {"role": "assistant", "content": "Done."},
+    ]}, None),
+    ({"id": "parallel-calls-null-content", "tools": TOOLS, "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Paris and"},
+                                     {"type": "text", "text": "东京?"}]},
+        {"role": "assistant", "content": None, "reasoning_content": "Two calls.",
+         "tool_calls": [_q_call(0, "Paris"), _q_call(1, "东京")]},
+        _q_tool(0, f"rain {THINK} {Q_HEADER} <|im_end|>"),
+        _q_tool(1, "sun ☀️"),
+        {"role": "assistant", "content": "Checking once more.", "reasoning_content": "Again.",
+         "tool_calls": [_q_call(2, "Paris")]},
+        _q_tool(2, "still rain"),
+    ]}, None),
+    ({"id": "named-assistant", "messages": [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "name": "qwen", "content": "Hello!", "reasoning_content": "Greet."},
+        {"role": "user", "content": "Bye"},
+        {"role": "assistant", "name": "qwen", "content": "Bye!"},
+    ]}, None),
+    ({"id": "thinking-off", "messages": [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": f"And {Q_HEADER}?"},
+        {"role": "assistant", "content": "5"},
+    ]}, {"enable_thinking": False}),
+    (_agent_trace(_q_call, _q_tool), None),
+]
+
+# server fixture, corpus, SGLang reasoning parser, SGLang tool-call detector, HF reference
+SERVED = {
+    "kimi-k25": ("kimi_server", ADVERSARIAL, "kimi_k2", "KimiK2Detector",
+                 lambda request: request.getfixturevalue("tiny_kimi")[1]),
+    "qwen3-style": ("qwen3_style_server", QWEN3_STYLE, "qwen3", "Qwen25Detector",
+                    lambda request: request.getfixturevalue("qwen3_style_server").model),
+}
+
+
 def _served_prompt(url: str, row: dict, k: int, kwargs: dict | None) -> list[int]:
-    """The prompt ids SGLang serves for the row's messages before ``k`` (its own rendering)."""
+    """The prompt ids SGLang serves for the row's messages before ``k``, from its chat
+    completions endpoint (``return_prompt_token_ids``), not the /v1/tokenize the client uses."""
     import requests
 
     body = {"model": "default", "messages": row["messages"][:k], "max_tokens": 1,
@@ -122,18 +202,22 @@ def _served_prompt(url: str, row: dict, k: int, kwargs: dict | None) -> list[int
     return r.json()["choices"][0]["prompt_token_ids"]
 
 
-def _parsed(tok, ids: list[int], opened: bool, tools: list[dict] | None) -> dict:
-    """The assistant message SGLang's own Kimi-K2 parsers read from the emitted ``ids``."""
+def _parsed(tok, ids: list[int], opened: bool, tools: list[dict] | None, parser: str,
+            detector: str) -> dict:
+    """The assistant message SGLang's own reasoning and tool-call parsers read from the
+    emitted ``ids`` (which end with the stop token, as generation does)."""
+    import importlib
+
     from sglang.srt.entrypoints.openai.protocol import Tool
-    from sglang.srt.function_call.kimik2_detector import KimiK2Detector
     from sglang.srt.parser.reasoning_parser import ReasoningParser
 
+    module = {"KimiK2Detector": "kimik2_detector", "Qwen25Detector": "qwen25_detector"}[detector]
+    detect = getattr(importlib.import_module(f"sglang.srt.function_call.{module}"), detector)()
     text = tok.decode(ids)
-    assert text.endswith("<|im_end|>")
+    assert text.endswith("<|im_end|>"), text
     text = (THINK if opened else "") + text[: -len("<|im_end|>")]
-    reasoning, rest = ReasoningParser("kimi_k2").parse_non_stream(text)
-    calls = KimiK2Detector().detect_and_parse(
-        rest or "", [Tool.model_validate(t) for t in tools or []])
+    reasoning, rest = ReasoningParser(parser).parse_non_stream(text)
+    calls = detect.detect_and_parse(rest or "", [Tool.model_validate(t) for t in tools or []])
     return {"reasoning": (reasoning or "").strip(), "content": calls.normal_text.strip(),
             "calls": [(c.name, json.loads(c.parameters)) for c in calls.calls]}
 
@@ -150,33 +234,69 @@ def _runs(mask: list[int]) -> list[tuple[int, int]]:
 
 
 @pytest.mark.server
-def test_every_trained_turn_follows_the_servers_own_prompt(kimi_server, kimi_tokenizer):
-    """For each record of an adversarial corpus: the ids before every trained run are exactly
-    what SGLang 0.5.23 serves for that turn's request (its /v1/chat/completions rendering,
-    ``return_prompt_token_ids``), and the run is exactly the turn as the model emits it (SGLang's
-    own Kimi-K2 reasoning and tool-call parsers give the message back)."""
-    tok = kimi_tokenizer
-    for row, kwargs in ADVERSARIAL:
-        conv = parse_conversation(row)
-        renderer = ChatRenderer(tok, template_kwargs=kwargs)
-        samples = renderer.render(conv)
-        turns = [k for k, m in enumerate(conv.messages) if m["role"] == "assistant"]
-        trained = []  # (turn index, ids before the run, the run's ids)
-        for s in samples:
-            runs = _runs(s.loss_mask)
-            ks = turns if len(samples) == 1 else [int(s.suffix[1:]) if s.suffix else turns[0]]
-            assert len(runs) == len(ks), (row["id"], s.suffix)
-            trained += [(k, s.input_ids[:a], s.input_ids[a:b])
-                        for k, (a, b) in zip(ks, runs, strict=True)]
-        assert sorted({k for k, _, _ in trained}) == turns, row["id"]
-        for k, before, run in trained:
-            assert before == _served_prompt(kimi_server.url, row, k, kwargs), (row["id"], k)
-            msg = conv.messages[k]
-            want = {"reasoning": "" if kwargs else (msg.get("reasoning_content") or "").strip(),
-                    "content": (msg["content"] or "").strip(),
-                    "calls": [(c["function"]["name"], json.loads(c["function"]["arguments"]))
-                              for c in msg.get("tool_calls") or []]}
-            assert _parsed(tok, run, not kwargs, row.get("tools")) == want, (row["id"], k)
+@pytest.mark.parametrize("served", sorted(SERVED))
+def test_every_trained_turn_follows_the_servers_own_prompt(served, request, tmp_path):
+    """``hsdump extract`` of an adversarial corpus (quoted markers, Chinese and emoji, parallel
+    tool calls with null content, rows ending on a tool result, no system prompt, list-of-parts
+    content, assistant names, thinking off, a 30-message agent trace) through a Kimi-K2.5 and a
+    Qwen3-style server (the latter's template given by --chat-template). For every record:
+    each trained run starts right after exactly the prompt ids SGLang serves for that turn (its
+    /v1/chat/completions ``return_prompt_token_ids``), is exactly the turn as the model emits it
+    (SGLang's own reasoning and tool-call parsers give the message back), and every value is the
+    HF fp32 reference rounded to the records' bfloat16."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hsdump_patch.cli import main as cli
+    from hsdump_patch.reader import iter_records
+
+    fixture, corpus, parser, detector, hf_path = SERVED[served]
+    server = request.getfixturevalue(fixture)
+    tok = AutoTokenizer.from_pretrained(server.model, trust_remote_code=True)
+    info = protocol.read_server_info(server.dump_dir)
+    hf = AutoModelForCausalLM.from_pretrained(hf_path(request), dtype=torch.float32).eval()
+    trained_turns, worst = 0, 0.0
+    for row, kwargs in corpus:  # one extraction per template-options setting
+        dataset = tmp_path / f"{row['id']}.jsonl"
+        dataset.write_text(json.dumps(row) + "\n")
+        out = tmp_path / row["id"]
+        args = ["extract", "--server", server.url, "--dump-dir", str(server.dump_dir),
+                "--dataset", str(dataset), "--out", str(out), "--no-progress"]
+        assert cli(args + (["--chat-template-kwargs", json.dumps(kwargs)] if kwargs else [])
+                   ) == 0, row["id"]
+        report = json.loads((out / "report.shard-0-of-1.json").read_text())
+        got = dict(iter_records(out))
+        conv_turns = [k for k, m in enumerate(row["messages"]) if m["role"] == "assistant"]
+        found = []
+        for sid, rec in sorted(got.items()):
+            ids, mask = rec["input_ids"].tolist(), rec["loss_mask"].tolist()
+            runs = _runs(mask)
+            ks = conv_turns if len(got) == 1 else [
+                int(sid.split("#")[1]) if "#" in sid else conv_turns[0]]
+            assert len(runs) == len(ks), (served, sid)
+            for k, (a, b) in zip(ks, runs, strict=True):
+                assert ids[:a] == _served_prompt(server.url, row, k, kwargs), (served, sid, k)
+                msg = row["messages"][k]
+                want = {"reasoning": "" if kwargs else (msg.get("reasoning_content") or ""
+                                                        ).strip(),
+                        "content": (msg["content"] or "").strip(),
+                        "calls": [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                                  for c in msg.get("tool_calls") or []]}
+                opened = tok.decode(ids[:a]).endswith(THINK)
+                assert _parsed(tok, ids[a:b], opened, row.get("tools"), parser, detector
+                               ) == want, (served, sid, k)
+                found.append(k)
+            with torch.no_grad():
+                o = hf.model(torch.tensor([ids]), output_hidden_states=True)
+            refs = [o.hidden_states[x][0] for x in info.layers] + [o.last_hidden_state[0]]
+            states = [*rec["hidden_states"], rec["final_hidden_state"]]
+            for state, ref in zip(states, refs, strict=True):
+                err = (state.float() - ref).abs() / (ref.abs() * 2 ** -8 + 1e-6)
+                worst = max(worst, err.max().item())
+        assert sorted(found) == conv_turns, (served, row["id"])
+        assert report["prompts_checked_by_server"] == len(found), (served, row["id"])
+        trained_turns += len(found)
+    print(f"{served}: {trained_turns} turns, worst |record - HF fp32| = {worst:.3f} half-ulps")
+    assert worst <= 1.0
 
 
 def test_named_assistant_turns_are_rendered_not_rejected(kimi_tokenizer):
@@ -295,3 +415,73 @@ def test_tools_are_declared_as_sglangs_request_model_dumps_them():
     want = [Tool.model_validate(t).model_dump() for t in tools]
     assert json.dumps(served_tools(tools)) == json.dumps(want)
     assert json.dumps(served_tools(served_tools(tools))) == json.dumps(want)
+
+
+LOOPS = [
+    "{% for m in messages %}{% for p in m['content'] %}{{ p.text }}{% endfor %}{% endfor %}",
+    "{% for message in messages %}{% for p in message.content | list %}{{ p }}{% endfor %}"
+    "{% endfor %}",
+    "{% for msg in messages %}{% for p in msg.content[1:] %}{{ p }}{% endfor %}{% endfor %}",
+    "{% for x in messages %}{% for p in x.content %}{{ p }}{% endfor %}{% endfor %}",
+    "{% for m in messages %}{{ m.content }}{% endfor %}{# vision #}",
+    "{% for m in messages %}{{ m.content }}{% endfor %}{% if %}",
+]
+
+
+def test_content_format_is_sglangs():
+    """Which templates get a list of text parts joined with " " (string) or passed as a list
+    (openai) is decided as SGLang 0.5.23 decides it, on real and edge-case templates."""
+    from sglang.srt.parser.jinja_template_utils import detect_jinja_template_content_format
+
+    from hsdump_patch.client.conversation import content_format
+    from hsdump_patch.ops.verify_model import CHAT_TEMPLATE
+    from tests.harness.make_models import KIMI_DIR, QWEN3_STYLE_TEMPLATE
+
+    templates = [CHAT_TEMPLATE, (KIMI_DIR / "chat_template.jinja").read_text(),
+                 QWEN3_STYLE_TEMPLATE.read_text(), *LOOPS]
+    got = [content_format(t) for t in templates]
+    assert got == [detect_jinja_template_content_format(t) for t in templates]
+    assert set(got) == {"string", "openai"}
+
+
+def test_follow_chat_template(tmp_path):
+    """The server's --chat-template file is what local rendering uses (read as SGLang reads
+    it); a built-in name or an unreadable file is refused with what to do."""
+    from types import SimpleNamespace
+
+    from hsdump_patch.client.served import follow_chat_template
+
+    tok = SimpleNamespace(chat_template="own")
+    assert follow_chat_template(tok, {"chat_template": None}) is None and tok.chat_template == "own"
+    path = tmp_path / "t.jinja"
+    path.write_text("\n{{ messages[0].content }}\\n<end>\n\n")
+    assert follow_chat_template(tok, {"chat_template": str(path)}) == str(path)
+    assert tok.chat_template == "{{ messages[0].content }}\n<end>"
+    with pytest.raises(ValueError, match="built-in SGLang template"):
+        follow_chat_template(tok, {"chat_template": "chatml"})
+    with pytest.raises(ValueError, match="cannot read: run hsdump where that file is"):
+        follow_chat_template(tok, {"chat_template": str(tmp_path / "gone.jinja")})
+
+
+@pytest.mark.server
+def test_a_prompt_the_server_would_not_serve_is_refused(qwen3_style_server):
+    """Rendered with the tokenizer's own template while the server was given another one, the
+    prompt differs from the server's: the turn is refused, naming where, never written."""
+    from transformers import AutoTokenizer
+
+    from hsdump_patch.client.extract import ServerClient
+    from hsdump_patch.client.served import ServedPrompts, follow_chat_template
+
+    tok = AutoTokenizer.from_pretrained(qwen3_style_server.model)
+    client = ServerClient(qwen3_style_server.url, request_timeout=60, retries=0, retry_wait=1)
+    check = ServedPrompts(client.tokenize_chat, None)
+    row = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]}
+    with pytest.raises(ConversationError, match=r"messages\[1\]: the prompt rendered here "
+                       "differs from the one the server serves for this turn"):
+        ChatRenderer(tok, check=check).render(parse_conversation(row))
+    assert check.checked == 1
+    # Following the server's template, the same row passes the same check.
+    follow = ServedPrompts(client.tokenize_chat, None)
+    follow_chat_template(tok, client.server_args())
+    (sample,) = ChatRenderer(tok, check=follow).render(parse_conversation(row))
+    assert follow.checked == 1 and sum(sample.loss_mask) > 0

@@ -21,11 +21,14 @@ always makes one sample per turn; ``last`` only the last turn.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import jinja2
 
 POLICIES = ("auto", "per-turn", "last")
 # ShareGPT speaker names -> chat-template roles.
@@ -50,6 +53,9 @@ class Conversation:
 
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None = None
+    # The messages as a chat request carries them (content not flattened): what the server
+    # is asked to render when it checks a prompt.
+    request: list[dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)
@@ -87,6 +93,8 @@ class TurnSample:
     suffix: str
     input_ids: list[int]
     loss_mask: list[int]
+    # (message index, prompt length) of each trained turn: input_ids[:length] is its prompt.
+    prompts: tuple[tuple[int, int], ...] = ()
 
 
 def _text(value: Any, where: str, sep: str = "") -> str | None:
@@ -134,13 +142,19 @@ def _tools(value: Any) -> list[dict[str, Any]] | None:
     return [t if "function" in t else {"type": "function", "function": t} for t in value] or None
 
 
-def parse_conversation(obj: dict[str, Any]) -> Conversation:
-    """Normalize a row's ``messages`` / ``conversations`` (+ ``tools``, ``system``)."""
+def parse_conversation(obj: dict[str, Any], parts_sep: str = "") -> Conversation:
+    """Normalize a row's ``messages`` / ``conversations`` (+ ``tools``, ``system``).
+
+    A list of text parts becomes one string joined with ``parts_sep``: SGLang 0.5.23 joins the
+    parts with " " for a template that expects string content (``content_format``); a template
+    that loops over the parts prints them one after the other ("").
+    """
     key = "messages" if "messages" in obj else "conversations"
     turns = obj[key]
     if not isinstance(turns, list) or not turns:
         raise ConversationError(f'"{key}" must be a non-empty list of turns')
     out: list[dict[str, Any]] = []
+    request: list[dict[str, Any]] = []
     for k, turn in enumerate(turns):
         where = f"{key}[{k}]"
         if not isinstance(turn, dict):
@@ -161,10 +175,11 @@ def parse_conversation(obj: dict[str, Any]) -> Conversation:
             msg = {**turn, "role": role}
         else:
             raise ConversationError(f'{where} needs "role" (or ShareGPT "from")')
+        parts = msg.get("content")
         # SGLang flattens a tool result's text parts with spaces (serving_chat.py,
-        # normalize_tool_content); other roles' parts are printed one after the other.
+        # normalize_tool_content); other roles' parts as the template expects them.
         msg["content"] = _text(msg.get("content"), f"{where}.content",
-                               " " if msg["role"] == "tool" else "")
+                               " " if msg["role"] == "tool" else parts_sep)
         if msg.get("tool_calls") is not None:
             msg["tool_calls"] = _tool_calls(msg["tool_calls"], f"{where}.tool_calls")
         elif msg["content"] is None:
@@ -178,6 +193,7 @@ def parse_conversation(obj: dict[str, Any]) -> Conversation:
         if msg["content"] is None:
             msg["content"] = ""  # OpenAI tool-call turns; every template renders "" as nothing
         out.append(msg)
+        request.append({**msg, "content": parts})
     system = obj.get("system")
     if system is not None:
         if not isinstance(system, str):
@@ -186,13 +202,14 @@ def parse_conversation(obj: dict[str, Any]) -> Conversation:
             raise ConversationError('the row has both a top-level "system" and a system '
                                     "message; keep one")
         out.insert(0, {"role": "system", "content": system})
-    return Conversation(out, _tools(obj.get("tools")))
+        request.insert(0, out[0])
+    return Conversation(out, _tools(obj.get("tools")), request)
 
 
 # Fields of SGLang 0.5.23's request models, in their declaration order
 # (sglang/srt/entrypoints/openai/protocol.py: ChatCompletionMessageGenericParam, Function).
-_MESSAGE_FIELDS = ("role", "content", "tool_call_id", "name", "phase", "reasoning_content",
-                   "tool_calls", "tools", "prefix")
+MESSAGE_FIELDS = ("role", "content", "tool_call_id", "name", "phase", "reasoning_content",
+                  "tool_calls", "tools", "prefix")
 _FUNCTION_FIELDS = ("description", "name", "parameters", "strict", "defer_loading")
 
 
@@ -223,6 +240,46 @@ def served_tools(tools: Sequence[dict[str, Any]] | None) -> list[dict[str, Any]]
     return out
 
 
+@functools.lru_cache(maxsize=8)
+def content_format(template: str) -> str:
+    """"openai" when the chat template loops over a message's content parts, else "string".
+
+    SGLang 0.5.23's rule (``detect_jinja_template_content_format`` in
+    srt/parser/jinja_template_utils.py, after vLLM's): a template naming image, audio, video or
+    vision is "openai"; so is one with a ``for`` loop over ``message``/``msg``/``m``'s
+    ``content`` (through filters, tests or slices); a template that does not parse is
+    "string". For a "string" template SGLang joins a list of text parts with " ".
+    """
+    if any(word in template for word in ("image", "audio", "video", "vision")):
+        return "openai"
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        tree = _compile_jinja_template(template).environment.parse(template)
+    except Exception:  # SGLang treats a template it cannot parse as "string" too
+        return "string"
+    return "openai" if any(_reads_content(loop.iter)
+                           for loop in tree.find_all(jinja2.nodes.For)) else "string"
+
+
+def _reads_content(node: jinja2.nodes.Node) -> bool:
+    """Whether ``node`` is ``message.content`` (or msg / m), possibly filtered, tested or
+    sliced."""
+    while isinstance(node, (jinja2.nodes.Filter, jinja2.nodes.Test)) or (
+            isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Slice)):
+        if node.node is None:
+            return False
+        node = node.node
+    if isinstance(node, jinja2.nodes.Getattr):
+        key, owner = node.attr, node.node
+    elif isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Const):
+        key, owner = node.arg.value, node.node
+    else:
+        return False
+    return (key == "content" and isinstance(owner, jinja2.nodes.Name) and owner.ctx == "load"
+            and owner.name in ("message", "msg", "m"))
+
+
 def served_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Messages as SGLang 0.5.23's chat API hands them to the chat template.
 
@@ -234,7 +291,7 @@ def served_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """
     out = []
     for k, m in enumerate(messages):
-        msg = {f: m[f] for f in _MESSAGE_FIELDS if m.get(f) is not None}
+        msg = {f: m[f] for f in MESSAGE_FIELDS if m.get(f) is not None}
         msg.setdefault("content", "")
         if msg.get("tool_calls"):
             calls = []
@@ -321,7 +378,8 @@ class ChatRenderer:
     """Turns a conversation into serving-faithful samples under a multi-turn policy."""
 
     def __init__(self, tokenizer: Any, think: ThinkMarkers | None = None,
-                 policy: str = "auto", template_kwargs: dict[str, Any] | None = None) -> None:
+                 policy: str = "auto", template_kwargs: dict[str, Any] | None = None,
+                 check: Callable[[Conversation, int, list[int]], None] | None = None) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(
                 "the model's tokenizer has no chat template: chat rows cannot be rendered; "
@@ -332,6 +390,10 @@ class ChatRenderer:
         self.think = think if think is not None else ThinkMarkers.from_vocab(tokenizer)
         self.policy = policy
         self.template_kwargs = dict(template_kwargs or {})
+        # How SGLang flattens a list of text parts for this template (parse_conversation).
+        self.parts_sep = " " if content_format(tokenizer.chat_template) == "string" else ""
+        # Called with each trained turn's prompt ids (e.g. ServedPrompts: the server's own).
+        self.check = check
         self._probe_cache: tuple[list[dict[str, Any]] | None, str] | None = None
         base = self._render(_PROBE, False)
         with_prompt = self._render(_PROBE, True)
@@ -342,18 +404,28 @@ class ChatRenderer:
         self.generation_prompt = gen
         # The assistant header: the generation prompt without a think block it opens or
         # closes (thinking off: Kimi-K2.5 ends it with an empty <think></think>).
+        # Qwen3's enable_thinking=false ends it with "<think>\n\n</think>\n\n".
         self.opens_think = bool(self.think and gen.endswith(self.think.start))
-        empty = self.think.start + self.think.end if self.think else None
-        self.closes_think = bool(empty and not self.opens_think and gen.endswith(empty))
+        self.empty_block = ""  # the closed empty think block ending the generation prompt
+        if self.think and not self.opens_think and gen.rstrip().endswith(self.think.end):
+            at = gen.rfind(self.think.start)
+            if at >= 0 and not gen[at + len(self.think.start):].rstrip()[
+                    : -len(self.think.end)].strip():
+                self.empty_block = gen[at:]
+        self.closes_think = bool(self.empty_block)
         self.header = (gen[: -len(self.think.start)] if self.opens_think  # type: ignore[union-attr]
-                       else gen[: -len(empty)] if self.closes_think else gen)  # type: ignore[arg-type]
+                       else gen[: len(gen) - len(self.empty_block)])
         # Special tokens are split out before BPE: no token spans a boundary next to one.
         self.specials = sorted(tokenizer.get_added_vocab(), key=len, reverse=True)
-        # What the template puts after an assistant turn's content (its end-of-turn text).
+        # What the template puts after an assistant turn's content: the end-of-turn text the
+        # model emits last (its stop token), then whitespace that only separates turns (the
+        # "\n" after ChatML's <|im_end|>): the model stops before it, the next prompt holds it.
         answer = "hsdump-probe-answer"
         answered = self._render([*_PROBE, {"role": "assistant", "content": answer}], False)
         cut = answered.rfind(answer)
-        self.end_of_turn = answered[cut + len(answer):] if cut >= 0 else ""
+        tail = answered[cut + len(answer):] if cut >= 0 else ""
+        self.end_of_turn = tail.rstrip() or tail
+        self.turn_separator = tail[len(self.end_of_turn):]
 
     def _render(self, messages: Sequence[dict[str, Any]], generation_prompt: bool,
                 tools: list[dict[str, Any]] | None = None) -> str:
@@ -423,9 +495,9 @@ class ChatRenderer:
                     "model's think markers are unknown; pass --reasoning-parser")
             block = think.start + reasoning + think.end
         text = block + rest
-        if think and self.closes_think and prompt.endswith(think.start + think.end):
+        if think and self.closes_think and prompt.endswith(self.empty_block):
             # Thinking off: the prompt closed an empty think block; the model writes the answer.
-            if block.strip() not in ("", think.start + think.end):
+            if "".join(block.split()) not in ("", think.start + think.end):
                 raise ConversationError(
                     f"messages[{k}] has reasoning but the prompt turns thinking off (the "
                     "generation prompt closes the think block): the model cannot emit it")
@@ -433,6 +505,8 @@ class ChatRenderer:
         elif self.opens_think and prompt.endswith(think.start):  # type: ignore[union-attr]
             # The prompt opened the think block: the model continues inside it.
             text = text[len(think.start):] if text.startswith(think.start) else think.end + text
+        if self.turn_separator and text.endswith(self.end_of_turn + self.turn_separator):
+            text = text[: len(text) - len(self.turn_separator)]
         eot = self.end_of_turn.strip()
         if eot and eot in text[: len(text) - len(self.end_of_turn)]:
             raise ConversationError(
@@ -480,17 +554,20 @@ class ChatRenderer:
         last = turns[-1]
         last_prompt = self.prompt_text(conv, last)
         last_completion = self._completion(conv, last, last_prompt)
+        single = None
         if self.policy == "auto" and len(turns) > 1:
             single = self._single(conv, turns, last_prompt, last_completion)
-            if single is not None:
-                return [single]
-        out = []
-        for n, k in enumerate(turns):
+        out = [single] if single is not None else []
+        for n, k in enumerate(turns if single is None else ()):
             prompt = last_prompt if k == last else self.prompt_text(conv, k)
             _, c_ids = last_completion if k == last else self._completion(conv, k, prompt)
             p_ids = encode(self.tokenizer, prompt)
             out.append(TurnSample("" if n == 0 else f"#{k}", p_ids + c_ids,
-                                  [0] * len(p_ids) + [1] * len(c_ids)))
+                                  [0] * len(p_ids) + [1] * len(c_ids), ((k, len(p_ids)),)))
+        if self.check is not None:
+            for sample in out:
+                for k, n in sample.prompts:
+                    self.check(conv, k, sample.input_ids[:n])
         return out
 
     def _single(self, conv: Conversation, turns: list[int], last_prompt: str,
@@ -514,8 +591,7 @@ class ChatRenderer:
         if len(heads) != len(assistants) + 1:
             return None
         think = self.think
-        opener = (think.start if self.opens_think else think.start + think.end  # type: ignore[union-attr]
-                  if self.closes_think else "")
+        opener = think.start if self.opens_think else self.empty_block  # type: ignore[union-attr]
         cuts = []  # (start, end) of each earlier turn's completion in the stream
         for k in turns[:-1]:
             start = heads[assistants.index(k)] + len(self.header)
@@ -532,6 +608,7 @@ class ChatRenderer:
         cuts.append((len(last_prompt), len(stream)))
         ids: list[int] = []
         mask: list[int] = []
+        prompts = []
         done = 0
         for n, (start, end) in enumerate(cuts):
             head = encode(self.tokenizer, stream[done:start])
@@ -544,6 +621,7 @@ class ChatRenderer:
                 body = encode(self.tokenizer, stream[start:end])
             if not decodes_to(self.tokenizer, body, stream[start:end]):
                 return None
+            prompts.append((turns[n], len(ids) + len(head)))
             ids += head + body
             mask += [0] * len(head) + [1] * len(body)
             done = end
@@ -552,7 +630,7 @@ class ChatRenderer:
             return None
         if not decodes_to(self.tokenizer, ids, stream):
             return None
-        return TurnSample("", ids, mask)
+        return TurnSample("", ids, mask, tuple(prompts))
 
     def _intact(self, msg: dict[str, Any], emitted: str) -> bool:
         """Whether ``emitted`` (a past turn as a later prompt holds it) is the turn as the
@@ -607,15 +685,18 @@ def _find_all(text: str, needle: str) -> list[int]:
 
 
 def chat_renderer(tokenizer: Any, policy: str = "auto", reasoning_parser: str | None = None,
-                  template_kwargs: dict[str, Any] | None = None) -> ChatRenderer | None:
+                  template_kwargs: dict[str, Any] | None = None,
+                  check: Callable[[Conversation, int, list[int]], None] | None = None
+                  ) -> ChatRenderer | None:
     """The renderer for chat rows, or None when the tokenizer has no chat template.
 
     Think markers come from SGLang's reasoning parser ``reasoning_parser`` (the server's
     ``--reasoning-parser``); without one, ``<think>`` / ``</think>`` when both are tokens.
     ``template_kwargs`` are passed to every chat-template rendering, as the request's
-    ``chat_template_kwargs`` are by SGLang (e.g. ``{"thinking": false}``).
+    ``chat_template_kwargs`` are by SGLang (e.g. ``{"thinking": false}``). ``check`` sees each
+    trained turn's prompt ids (:class:`ChatRenderer`).
     """
     if not getattr(tokenizer, "chat_template", None):
         return None
     think = ThinkMarkers.from_reasoning_parser(reasoning_parser) if reasoning_parser else None
-    return ChatRenderer(tokenizer, think, policy, template_kwargs)
+    return ChatRenderer(tokenizer, think, policy, template_kwargs, check)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from hsdump_patch.client.conversation import ChatRenderer, ConversationError, parse_conversation
+from hsdump_patch.client.served import ServerDown
 
 MAX_ID_CHARS = 200  # the id becomes a file name (percent-encoded)
 
@@ -183,11 +184,13 @@ def _chat(obj: dict[str, Any], renderer: ChatRenderer | None,
     if renderer is None:
         raise SampleError(where, "chat rows need the model's tokenizer (--model)")
     try:
-        turns = renderer.render(parse_conversation(obj))
+        turns = renderer.render(parse_conversation(obj, renderer.parts_sep))
         fallback = FALLBACK_REASON if renderer.policy == "auto" and len(turns) > 1 else None
         return [(t.suffix, t.input_ids, t.loss_mask) for t in turns], fallback
     except ConversationError as e:
         raise SampleError(where, str(e)) from None
+    except ServerDown:
+        raise  # the server checking the prompts went away: the run stops, the row is not bad
     except Exception as e:  # template errors come as jinja2 / ValueError / TypeError
         raise SampleError(where, f"the chat template failed on this row: {e}") from None
 

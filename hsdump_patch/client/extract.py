@@ -29,7 +29,12 @@ from tqdm import tqdm
 from hsdump_patch import protocol
 from hsdump_patch.capture.config import DEFAULT_RID_PREFIX, ENV_DIR, ConfigError, parse_size
 from hsdump_patch.client import assemble, buffers, records
-from hsdump_patch.client.conversation import POLICIES, ChatRenderer, chat_renderer
+from hsdump_patch.client.conversation import (
+    POLICIES,
+    ChatRenderer,
+    ConversationError,
+    chat_renderer,
+)
 from hsdump_patch.client.dataset import (
     RowRef,
     Sample,
@@ -41,6 +46,7 @@ from hsdump_patch.client.dataset import (
 from hsdump_patch.client.manifest import Manifest, load_done, remove_stale_temps
 from hsdump_patch.client.mask import LOSS_MASKS, apply_convention
 from hsdump_patch.client.report import ErrorPolicy, Report, print_summary
+from hsdump_patch.client.served import ServedPrompts, ServerDown, follow_chat_template
 
 DEFAULT_SERVER = "http://127.0.0.1:30000"
 DEFAULT_DUMP_DIR = "/dev/shm/sglang_hs"
@@ -52,12 +58,9 @@ DEFAULT_RETRY_WAIT = 1.0
 DEFAULT_MAX_INFLIGHT = "8GiB"
 DEFAULT_MIN_FREE = "2GiB"
 DEFAULT_MAX_CONSECUTIVE_ERRORS = 20
+PROMPT_CHECKS = ("server", "off")
 _MAX_BACKOFF = 30.0
 STALE_QUIET_S = 5.0
-
-
-class ServerDown(RuntimeError):
-    """The server stayed unreachable through every retry: the run cannot go on."""
 
 
 class SampleFailed(RuntimeError):
@@ -143,6 +146,26 @@ class ServerClient:
             if r.status_code == 200:
                 return r.json()
         return {}
+
+    def tokenize_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                      template_kwargs: dict[str, Any] | None) -> list[int]:
+        """The prompt ids the server serves for a chat request of ``messages`` (SGLang's
+        ``/v1/tokenize``: its chat rendering with the generation prompt, no forward)."""
+        body: dict[str, Any] = {"messages": messages}
+        if tools:
+            body["tools"] = tools
+        if template_kwargs:
+            body["chat_template_kwargs"] = template_kwargs
+        try:
+            r = self._request("POST", "/v1/tokenize", json=body, timeout=self.request_timeout)
+        except requests.Timeout:
+            raise ConversationError("no answer from the server's /v1/tokenize within "
+                                    f"--request-timeout {self.request_timeout:g}s") from None
+        if r.status_code != 200:
+            raise ConversationError(f"the server could not render this row's chat request "
+                                    f"(/v1/tokenize answered HTTP {r.status_code}: "
+                                    f"{r.text[:300]})")
+        return r.json()["tokens"]
 
     def generate(self, rid: str, input_ids: list[int], *,
                  before_attempt: Callable[[], None] | None = None) -> dict[str, Any]:
@@ -506,16 +529,21 @@ def extract(settings: Settings, dataset: Path, *, shard: Shard | None = None,
             model: str | None = None, max_len: int | None = None, rid_prefix: str | None = None,
             trust_remote_code: bool = False, multi_turn: str = "auto",
             reasoning_parser: str | None = None,
-            chat_template_kwargs: dict[str, Any] | None = None) -> Report:
+            chat_template_kwargs: dict[str, Any] | None = None,
+            prompt_check: str = "server") -> Report:
     """Run one extraction; return its report."""
     shard = shard or Shard()
     client, model_info, info = connect(settings, rid_prefix)
     tokenizer_path = model or model_info.get("tokenizer_path") or info.model
-    trust = trust_remote_code or bool(client.server_args().get("trust_remote_code"))
+    server_args = client.server_args()
+    trust = trust_remote_code or bool(server_args.get("trust_remote_code"))
     tokenizer = load_tokenizer(tokenizer_path, trust)
+    follow_chat_template(tokenizer, server_args)
+    served = (ServedPrompts(client.tokenize_chat, chat_template_kwargs)
+              if prompt_check == "server" else None)
     renderer = chat_renderer(tokenizer, multi_turn,
-                             reasoning_parser or client.server_args().get("reasoning_parser"),
-                             template_kwargs=chat_template_kwargs)
+                             reasoning_parser or server_args.get("reasoning_parser"),
+                             template_kwargs=chat_template_kwargs, check=served)
 
     rows, bad_rows = index_dataset(dataset)
     rows = [r for r in rows if shard.contains(r.id)]
@@ -541,6 +569,7 @@ def extract(settings: Settings, dataset: Path, *, shard: Shard | None = None,
         run.run(_chain(items, report.watch(iter_samples(dataset, todo, renderer, max_len))),
                 len(bad_rows) + len(todo), manifest, report)
         report.leftover_dump_dirs = run.sweep_dump_dir(r.id for r in rows)
+    report.prompts_checked_by_server = served.checked if served is not None else None
     return report
 
 
@@ -619,6 +648,11 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                    help="SGLang reasoning parser whose think markers wrap reasoning_content, "
                         "e.g. kimi_k2 (default: the server's --reasoning-parser, else <think> / "
                         "</think> when both are tokens)")
+    p.add_argument("--prompt-check", choices=PROMPT_CHECKS, default="server",
+                   help="server: every trained turn's prompt ids must equal what the server "
+                        "serves for that turn's chat request (its /v1/tokenize), a row that "
+                        "differs is skipped with the reason; off: trust local rendering "
+                        "(default server)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (default: shown)")
 
 
@@ -697,7 +731,8 @@ def main(args: argparse.Namespace) -> int:
                          max_len=args.max_len, rid_prefix=args.rid_prefix,
                          trust_remote_code=args.trust_remote_code, multi_turn=args.multi_turn,
                          reasoning_parser=args.reasoning_parser,
-                         chat_template_kwargs=args.chat_template_kwargs)
+                         chat_template_kwargs=args.chat_template_kwargs,
+                         prompt_check=args.prompt_check)
     except (ServerDown, protocol.ProtocolError, ConfigError, ValueError, RuntimeError,
             OSError) as e:
         print(f"hsdump extract: error: {e}", file=sys.stderr)

@@ -18,7 +18,6 @@ import argparse
 import concurrent.futures as cf
 import hashlib
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -31,7 +30,7 @@ from tqdm import tqdm
 
 from hsdump_patch import protocol
 from hsdump_patch.client import extract as ex
-from hsdump_patch.client.conversation import ThinkMarkers, encode, prompt_text
+from hsdump_patch.client.conversation import ConversationError, ThinkMarkers, decode
 from hsdump_patch.client.dataset import SampleError, Shard, _parse_line, index_dataset
 from hsdump_patch.client.regen_plan import AGENT_POLICIES, DEFAULT_AGENT_POLICY, Plan, plan_row
 from hsdump_patch.client.report import (
@@ -42,6 +41,7 @@ from hsdump_patch.client.report import (
     print_issues,
 )
 from hsdump_patch.client.rowlog import RowLog
+from hsdump_patch.client.served import follow_chat_template, request_messages
 
 DEFAULT_MAX_NEW_TOKENS = 4096
 DEFAULT_CONCURRENCY = 32
@@ -202,16 +202,15 @@ class Regenerator:
         self.think = (ThinkMarkers.from_reasoning_parser(self.reasoning_parser)
                       if self.reasoning_parser else ThinkMarkers.from_vocab(tokenizer))
         self.max_tokens = max_tokens
-        self._render_lock = threading.Lock()  # one tokenizer, shared by the worker threads
 
     def prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
                ) -> tuple[list[int], bool]:
-        """A turn's prompt ids, and whether the prompt opened the think block."""
+        """A turn's prompt ids as the server serves them (its own chat rendering of the
+        messages so far, ``/v1/tokenize``), and whether the prompt opened the think block."""
         kwargs = (self.s.chat_template_kwargs if self.s is not None else None)
-        with self._render_lock:
-            text = prompt_text(self.tokenizer, messages, tools, kwargs)
-            ids = encode(self.tokenizer, text)
-        return ids, bool(self.think and text.endswith(self.think.start))
+        ids = self.client.tokenize_chat(request_messages(messages), tools, kwargs)
+        opened = bool(self.think and decode(self.tokenizer, ids).endswith(self.think.start))
+        return ids, opened
 
     def _generate(self, ids: list[int]) -> dict[str, Any]:
         max_new = self.s.max_new_tokens
@@ -279,8 +278,8 @@ class Regenerator:
         for turn in plan.turns:
             try:
                 ids, opened = self.prompt(messages[:turn], plan.tools)
-            except Exception as e:  # template errors come as jinja2 / ValueError / TypeError
-                raise RowFailed(f"message {turn}: the chat template failed: {e}") from None
+            except ConversationError as e:  # the server could not render the request
+                raise RowFailed(f"message {turn}: {e}") from None
             try:
                 out = self._generate(ids)
                 history = sum(len(m.get("tool_calls") or ()) for m in messages[:turn])
@@ -480,6 +479,7 @@ def regenerate(args: argparse.Namespace) -> RegenReport:
               "uses sampling_seed only under --enable-deterministic-inference", file=sys.stderr)
     dataset: Path = args.dataset
     tokenizer = ex.load_tokenizer(model, trust)
+    follow_chat_template(tokenizer, server_args)
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"the tokenizer of {model} has no chat template: chat rows cannot be "
                          "rendered")

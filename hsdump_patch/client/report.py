@@ -116,6 +116,8 @@ class Report(RunReport):
     per_turn_fallbacks: int = 0  # chat rows ``auto`` split into per-turn samples
     fallback_reasons: dict[str, int] = field(default_factory=dict)
     fallback_rows: list[str] = field(default_factory=list)  # their ids (the first 100)
+    # trained turns whose prompt ids the server's own rendering confirmed (None: not checked)
+    prompts_checked_by_server: int | None = None
 
     def add_ok(self, tokens: int, size: int, chunks: int, trained: int = 0,
                sample_id: str | None = None) -> None:

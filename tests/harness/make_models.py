@@ -146,6 +146,41 @@ def make_kimi_k25(path: Path, text_path: Path, layers: int = 4) -> Path:
         {"bos_token_id": ids["[BOS]"], "eos_token_id": ids["<|im_end|>"]}))
     return path
 
+QWEN3_STYLE_TEMPLATE = Path(__file__).parent / "qwen3_style.jinja"
+QWEN3_SPECIALS = ["<unk>", "<s>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>",
+                  "</think>", "<tool_call>", "</tool_call>", "<tool_response>",
+                  "</tool_response>"]
+
+
+def make_qwen3_style(path: Path) -> Path:
+    """Write a tiny random Llama (float32) with a ChatML tokenizer whose special tokens are
+    Qwen3's turn, think and tool markers. Its own chat template is the plain harness one: the
+    Qwen3-style template (``QWEN3_STYLE_TEMPLATE``) is what a server is given with
+    ``--chat-template``, so a client that ignores the server's template renders wrong."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    torch.manual_seed(0)
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB - 16, special_tokens=QWEN3_SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([*_KIMI_CORPUS, QWEN3_STYLE_TEMPLATE.read_text()] * 20, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>",
+                                   eos_token="<|im_end|>", unk_token="<unk>",
+                                   pad_token="<|endoftext|>",
+                                   additional_special_tokens=QWEN3_SPECIALS[3:])
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=8192,
+        bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
+        pad_token_id=fast.pad_token_id, tie_word_embeddings=False, torch_dtype="float32")
+    LlamaForCausalLM(cfg).float().save_pretrained(path, safe_serialization=True)
+    return path
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
