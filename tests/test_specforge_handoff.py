@@ -5,7 +5,9 @@ Records come from the session's tiny-Llama server (``llama_server``): the longes
 ``data.max_length`` to set, the records a shorter limit would cut, stray ``.ckpt`` files, and
 the vocab mapping, equal to the one SpecForge computes from the same directory and loaded by
 its own draft model. The printed overrides go through SpecForge's own offline data path
-(reader, feature store, loader, normaliser, collator) with no record cut.
+(reader, feature store, loader, normaliser, collator) with no record cut. A dataset extracted
+in two shards (``--loss-mask drafted``), into one ``--out`` and into one ``--out`` each below a
+parent: reports count the mask written, and the hand-off covers every shard as SpecForge does.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from hsdump_patch.client.dataset import Shard
+from hsdump_patch.reader import load_record
 from tests.conftest import specforge_on_path
 from tests.harness.make_models import VOCAB
 from tests.test_client_dataset import write_jsonl
@@ -255,3 +259,138 @@ def test_loss_mask_conventions_token_by_token_under_specforge_shift(tmp_path, ll
             assert trained == int(drafted) == int(same_turn), t
     # A directory keeps one convention: a rerun with the other is refused.
     assert extract(llama_server, dataset, tmp_path / "drafted", "--format", "specforge") == 1
+
+
+SHARDS = 2
+
+
+def two_turn_rows(n: int, seed: int) -> list[dict]:
+    """Pre-tokenized rows with two trained turns each (prompt, turn, prompt, turn)."""
+    rows = pre_tokenized(n, seed=seed, lo=30, hi=140, prefix="sh")
+    for r in rows:
+        q = len(r["input_ids"]) // 4
+        r["loss_mask"] = [0] * q + [1] * q + [0] * q + [1] * (len(r["input_ids"]) - 3 * q)
+    return rows
+
+
+def shard_records(out: Path, shard: str) -> list[tuple[dict, dict]]:
+    """``(manifest entry, record read back with hsdump's reader)`` of one shard's manifest."""
+    lines = (out / f"manifest.{shard}.jsonl").read_text().splitlines()
+    return [(e, load_record(out / e["file"])) for e in map(json.loads, lines)]
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory, llama_server) -> SimpleNamespace:
+    """One dataset extracted with ``--loss-mask drafted`` in two shards, laid out both ways:
+    both shards into one ``--out`` (``same``), and each into its own ``--out`` below one parent
+    (``split``, as Ansible's extract.yml lays out ``shard-K-of-N`` directories)."""
+    tmp = tmp_path_factory.mktemp("sharded")
+    rows = two_turn_rows(8, seed=33)
+    tags = [f"shard-{i}-of-{SHARDS}" for i in range(SHARDS)]
+    assert all(any(Shard.parse(f"{i}/{SHARDS}").contains(r["id"]) for r in rows)
+               for i in range(SHARDS)), "every shard must get rows"
+    dataset = write_jsonl(tmp / "d.jsonl", rows)
+    same, split = tmp / "same", tmp / "split"
+    for i, tag in enumerate(tags):
+        for out in (same, split / tag):
+            assert extract(llama_server, dataset, out, "--format", "specforge", "--loss-mask",
+                           "drafted", "--shard", f"{i}/{SHARDS}") == 0
+    return SimpleNamespace(rows=rows, tags=tags, same=same, split=split,
+                           shard_dirs={tag: split / tag for tag in tags})
+
+
+def test_reports_count_the_drafted_mask_written(sharded):
+    """Gap: the extract report (and the manifest) counted the completion mask while
+    ``--loss-mask drafted`` wrote another. Every shard's trained count is the sum of
+    ``loss_mask`` over the records it wrote, read back with hsdump's reader."""
+    rows = {r["id"]: r for r in sharded.rows}
+    for tag in sharded.tags:
+        for out in (sharded.same, sharded.shard_dirs[tag]):
+            report, written = read_report(out, tag), shard_records(out, tag)
+            assert report["ok"] == len(written) >= 1
+            stored = [int(rec["loss_mask"].sum()) for _, rec in written]
+            completion = [sum(rows[e["id"]]["loss_mask"]) for e, _ in written]
+            # Two turns per row: drafted trains one position less per turn.
+            assert stored == [c - 2 for c in completion]
+            assert report["trained_tokens"] == sum(stored)
+            assert [e["trained"] for e, _ in written] == stored
+            assert report["tokens"] == sum(rec["input_ids"].numel() for _, rec in written)
+            top = max(written, key=lambda er: er[1]["input_ids"].numel())
+            assert report["longest"] == {"id": top[0]["id"],
+                                         "tokens": top[1]["input_ids"].numel()}
+
+
+@pytest.mark.parametrize("layout", ["same", "split"])
+def test_sharded_output_hands_off_all_shards_as_specforge_counts(sharded, sfh, tmp_path,
+                                                                 layout):
+    """Shards in one ``--out`` or in one ``--out`` each below a parent: ``hsdump specforge``
+    on what SpecForge is given (``data.hidden_states_path``) covers every shard's records: the
+    longest record, the trained tokens and the vocab mapping equal SpecForge's own count over
+    the same directory, which no single shard gives."""
+    root = getattr(sharded, layout)
+    mapping = tmp_path / "vm.pt"
+    rc, printed, report = run_handoff(root, "--draft-vocab-size", str(DRAFT_VOCAB),
+                                      "--vocab-mapping", str(mapping))
+    assert rc == 0, printed
+    assert report["outputs"] == (["."] if layout == "same" else sharded.tags)
+    rows = sharded.rows
+    assert report["records"] == len(rows) and report["strays"] == []
+    longest = max(len(r["input_ids"]) for r in rows)
+    assert report["longest"]["tokens"] == longest
+    assert overrides(printed)["data.max_length"] == str(longest)
+    assert overrides(printed)["data.hidden_states_path"] == str(root.resolve())
+    written = [rec for tag in sharded.tags
+               for _, rec in shard_records(sharded.shard_dirs[tag] if layout == "split"
+                                           else root, tag)]
+    assert report["trained_tokens"] == sum(int(rec["loss_mask"].sum()) for rec in written)
+
+    counts = sfh.count(str(root), max_length=longest, target_vocab_size=VOCAB)
+    assert sum(counts.values()) == report["trained_tokens"]
+    assert report["vocab_mapping"]["trained_tokens_counted"] == report["trained_tokens"]
+    want_d2t, want_t2d = sfh.mappings(counts, DRAFT_VOCAB, VOCAB)
+    got = torch.load(mapping, weights_only=True)
+    assert torch.equal(got["d2t"], want_d2t) and torch.equal(got["t2d"], want_t2d)
+    for tag in sharded.tags:  # no shard alone gives this mapping, nor the longest record
+        alone = sfh.count(str(sharded.shard_dirs[tag]), max_length=longest,
+                          target_vocab_size=VOCAB)
+        assert not torch.equal(sfh.mappings(alone, DRAFT_VOCAB, VOCAB)[1], want_t2d)
+    per_shard = [max(len(r["input_ids"]) for r in rows if Shard.parse(f"{i}/{SHARDS}")
+                     .contains(r["id"])) for i in range(SHARDS)]
+    assert min(per_shard) < longest  # a shard's own longest would cut another's records
+
+
+def test_split_shards_strays_duplicates_and_mixed_outputs(sharded, tmp_path):
+    """Below a parent of shard outputs, a record any shard's manifest owns is no stray; files
+    no manifest owns (in a shard dir or beside them) are, and only they are removed; a sample
+    with a record in two outputs is named (SpecForge would train it twice); outputs made
+    differently are refused."""
+    root = tmp_path / "split"
+    shutil.copytree(sharded.split, root)
+    owned = sorted(str(p.relative_to(root)) for p in root.rglob("*.ckpt"))
+    assert {Path(p).parts[0] for p in owned} == set(sharded.tags)
+    some = root / owned[-1]
+    strays = [some.parent / "old-run.ckpt", root / "edited" / "x.ckpt"]
+    strays[1].parent.mkdir()
+    for s in strays:
+        shutil.copy(some, s)
+    rc, printed, report = run_handoff(root)
+    assert rc == 1 and sorted(report["strays"]) == sorted(
+        str(s.relative_to(root)) for s in strays), printed
+    rc, printed, report = run_handoff(root, "--remove-strays")
+    assert rc == 0 and report["strays_removed"], printed
+    assert not any(s.exists() for s in strays)
+    assert sorted(str(p.relative_to(root)) for p in root.rglob("*.ckpt")) == owned
+
+    # Shard 0 extracted again into another directory below the same parent.
+    first = sharded.tags[0]
+    shutil.copytree(root / first, root / "again")
+    rc, printed, report = run_handoff(root)
+    ids = {e["id"] for e, _ in shard_records(root / first, first)}
+    assert rc == 1 and report["duplicates"] == {i: ["again", first] for i in sorted(ids)}
+    assert "more than one output" in printed
+
+    meta = json.loads((root / "again" / "hsdump-meta.json").read_text())
+    meta["loss_mask_convention"] = "completion"
+    (root / "again" / "hsdump-meta.json").write_text(json.dumps(meta))
+    rc, printed, _ = run_handoff(root)
+    assert rc == 1 and "made differently (loss_mask_convention:" in printed, printed

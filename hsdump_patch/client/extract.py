@@ -225,6 +225,7 @@ class Done:
     file: str
     size: int
     chunks: int
+    trained: int  # loss-mask 1 tokens of the record as written (its --loss-mask convention)
 
 
 def _wait_quiet(path: Path, quiet: float, timeout: float) -> None:
@@ -353,16 +354,16 @@ class Extraction:
                 raise SampleFailed(f"invalid dump: {e}") from None
             assemble.remove_request(dump, rid)
             name = records.record_name(sample.id, self.s.fmt, self.s.compress)
+            mask = apply_convention(sample.loss_mask, self.s.loss_mask)
             try:
-                size = records.save_atomic(builder.record(
-                    sample.input_ids, apply_convention(sample.loss_mask, self.s.loss_mask)),
+                size = records.save_atomic(builder.record(sample.input_ids, mask),
                                            self.s.out / name, self.s.compress)
             except OSError as e:
                 if e.errno in _FATAL_ERRNOS:
                     raise
                 raise SampleFailed(f"could not write its record {self.s.out / name}: {e}") from None
             del builder
-        return Done(sample, name, size, chunks)
+        return Done(sample, name, size, chunks, sum(mask))
 
     # -------------------------------------------------------------------------- the run
 
@@ -409,10 +410,10 @@ class Extraction:
                     continue
                 policy.ok()
                 manifest.append({"id": sample.id, "file": res.file,
-                                 "tokens": len(sample.input_ids), "bytes": res.size,
-                                 "digest": sample.digest})
-                report.add_ok(len(sample.input_ids), res.size, res.chunks,
-                              sum(sample.loss_mask), sample.id)
+                                 "tokens": len(sample.input_ids), "trained": res.trained,
+                                 "bytes": res.size, "digest": sample.digest})
+                report.add_ok(len(sample.input_ids), res.size, res.chunks, res.trained,
+                              sample.id)
                 bar.update(1)
                 elapsed = max(time.monotonic() - t0, 1e-9)
                 bar.set_postfix_str(f"{report.tokens / elapsed:,.0f} tok/s, "

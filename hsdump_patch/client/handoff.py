@@ -4,12 +4,16 @@ SpecForge 0.2.0 (``specforge train``, offline mode) lists every ``.ckpt`` / ``.c
 ``data.hidden_states_path`` recursively, cuts each record to ``data.max_length`` tokens without
 a word (default 2048), and, with an empty ``model.vocab_mapping_path``, reads every record on
 every rank before step 1 to count the trained tokens for its draft vocabulary. This command
-reads the manifest and records of a ``--format specforge`` output once and prints:
+reads the manifests and records under ``--out`` once: one ``--format specforge`` output (its
+shards' manifests side by side), or a directory holding several (shards extracted to their own
+``--out``, e.g. Ansible's ``shard-K-of-N`` directories), exactly the files SpecForge lists
+there. It prints:
 
 * the longest record and the ``data.max_length`` that cuts none; with ``--max-length N``, every
   record a trainer limit of N would cut (exit 1);
-* the ``.ckpt`` files the manifest does not own (another run, an edited dataset), which
-  SpecForge's listing would train on too; ``--remove-strays`` deletes them;
+* the ``.ckpt`` files no manifest owns (another run, an edited dataset), which SpecForge's
+  listing would train on too; ``--remove-strays`` deletes them; sample ids with a record in
+  more than one output (trained twice);
 * with ``--draft-vocab-size``, SpecForge's vocab mapping file (``d2t`` / ``t2d``), computed as
   SpecForge 0.2.0 computes it from the same records (``specforge/training/vocab_mapping.py``
   ``count_effective_feature_tokens`` and ``specforge/data/preprocessing.py``
@@ -47,31 +51,74 @@ class Handoff:
     """What ``hsdump specforge`` found in an output directory (the JSON report)."""
 
     out: str
+    outputs: list[str] = field(default_factory=list)  # extract outputs under ``out``, relative
     records: int = 0
     tokens: int = 0
-    trained_tokens: int = 0
+    trained_tokens: int | None = None  # mask-1 tokens per the manifests (None: older manifests)
     longest: dict[str, Any] | None = None
     max_length: int | None = None
     cut: list[dict[str, Any]] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
     strays: list[str] = field(default_factory=list)
     strays_removed: bool = False
+    duplicates: dict[str, list[str]] = field(default_factory=dict)  # id -> outputs holding it
     vocab_mapping: dict[str, Any] | None = None
     overrides: dict[str, str] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
 
 
-def owned_records(out: Path) -> tuple[dict[str, dict[str, Any]], list[str]]:
-    """``file -> manifest entry`` for every record the manifests own and that exists, and the
-    manifest files whose record is missing."""
+# Sidecar fields that must agree between outputs trained together: records SpecForge can batch
+# together, from one model, under one loss-mask convention.
+_SAME_RECORDS = ("format", "model", "layers", "has_final", "hidden_size", "dtype",
+                 "loss_mask_convention")
+
+
+def find_outputs(root: Path) -> dict[Path, dict[str, Any]]:
+    """``output dir -> sidecar`` of every extract output SpecForge's listing of ``root`` covers:
+    ``root`` itself and every directory below it holding a :data:`META_FILE`; all must hold
+    ``--format specforge`` records of one model, layers and loss-mask convention."""
+    outputs: dict[Path, dict[str, Any]] = {}
+    for d, dirs, names in os.walk(root):
+        dirs.sort()
+        if META_FILE in names:
+            meta = json.loads((Path(d) / META_FILE).read_text())
+            meta.setdefault("loss_mask_convention", "completion")  # sidecars before --loss-mask
+            outputs[Path(d)] = meta
+    if not outputs:
+        raise ValueError(f"{root} holds no {META_FILE}, nor does any directory below it: not an "
+                         "hsdump extract output directory (nor a parent of shard outputs)")
+    first, ref = next(iter(outputs.items()))
+    for d, meta in outputs.items():
+        if meta.get("format") != "specforge":
+            raise ValueError(f"{d} holds --format {meta.get('format')} records; SpecForge reads "
+                             "--format specforge output (extract again with --format specforge)")
+        diff = [k for k in _SAME_RECORDS if meta.get(k) != ref.get(k)]
+        if diff:
+            shown = ", ".join(f"{k}: {ref.get(k)!r} vs {meta.get(k)!r}" for k in diff)
+            raise ValueError(f"{first} and {d} hold records made differently ({shown}), and "
+                             f"SpecForge would train on both under {root}: hand them off from "
+                             "separate directories")
+    return outputs
+
+
+def owned_records(root: Path, outputs: list[Path]) -> tuple[dict[str, dict[str, Any]], list[str],
+                                                            dict[str, list[str]]]:
+    """``file -> manifest entry`` (files relative to ``root``) for every record the outputs'
+    manifests own and that exists; the manifest files whose record is missing; the sample ids
+    with a record in more than one output (-> those outputs)."""
     owned: dict[str, dict[str, Any]] = {}
     missing: set[str] = set()
-    for entry in manifest_entries(out):
-        if (out / entry["file"]).is_file():
-            owned[entry["file"]] = entry  # a later line (a redone sample) wins
-        else:
-            missing.add(entry["file"])
-    return owned, sorted(missing - set(owned))
+    holders: dict[str, set[str]] = {}
+    for out in outputs:
+        for entry in manifest_entries(out):
+            rel = os.path.relpath(out / entry["file"], root)
+            if (root / rel).is_file():
+                owned[rel] = entry  # a later line (a redone sample) wins
+                holders.setdefault(entry["id"], set()).add(os.path.relpath(out, root))
+            else:
+                missing.add(rel)
+    duplicates = {i: sorted(h) for i, h in sorted(holders.items()) if len(h) > 1}
+    return owned, sorted(missing - set(owned)), duplicates
 
 
 def listed_by_specforge(out: Path) -> list[str]:
@@ -160,23 +207,23 @@ def target_vocab_from_model(meta: dict[str, Any]) -> int:
 def handoff(out: Path, *, max_length: int | None = None, remove_strays: bool = False,
             draft_vocab_size: int | None = None, target_vocab_size: int | None = None,
             mapping_path: Path | None = None, progress: bool = False) -> Handoff:
-    """Inspect ``out`` for SpecForge (and act on the flags); return what was found."""
-    meta_path = out / META_FILE
-    if not meta_path.is_file():
-        raise ValueError(f"{out} holds no {META_FILE}: not an hsdump extract output directory")
-    meta = json.loads(meta_path.read_text())
-    if meta.get("format") != "specforge":
-        raise ValueError(f"{out} holds --format {meta.get('format')} records; SpecForge reads "
-                         "--format specforge output (extract again with --format specforge)")
-    res = Handoff(out=str(out))
-    owned, res.missing = owned_records(out)
+    """Inspect ``out`` (an extract output, or a parent of several) for SpecForge and act on
+    the flags; return what was found."""
+    outputs = find_outputs(out)
+    res = Handoff(out=str(out), outputs=[os.path.relpath(d, out) for d in outputs])
+    owned, res.missing, res.duplicates = owned_records(out, list(outputs))
     res.records = len(owned)
     res.tokens = sum(int(e["tokens"]) for e in owned.values())
+    if all("trained" in e for e in owned.values()):  # manifests before "trained" lack it
+        res.trained_tokens = sum(int(e["trained"]) for e in owned.values())
     if not owned:
         res.problems.append("no finished record in the manifests")
     else:
-        top = max(owned.values(), key=lambda e: (int(e["tokens"]), e["id"]))
-        res.longest = {"id": top["id"], "file": top["file"], "tokens": int(top["tokens"])}
+        file, top = max(owned.items(), key=lambda fe: (int(fe[1]["tokens"]), fe[1]["id"]))
+        res.longest = {"id": top["id"], "file": file, "tokens": int(top["tokens"])}
+    if res.duplicates:
+        res.problems.append(f"{len(res.duplicates)} sample id(s) have a record in more than one "
+                            "output: SpecForge would train them more than once")
     res.max_length = max_length if max_length is not None else (
         res.longest["tokens"] if res.longest else None)
     if max_length is not None:
@@ -191,7 +238,7 @@ def handoff(out: Path, *, max_length: int | None = None, remove_strays: bool = F
             (out / rel).unlink(missing_ok=True)
         res.strays_removed = True
     elif res.strays:
-        res.problems.append(f"{len(res.strays)} .ckpt file(s) not in the manifest would be "
+        res.problems.append(f"{len(res.strays)} .ckpt file(s) no manifest owns would be "
                             "trained on too (--remove-strays deletes them)")
     res.overrides = {"data.hidden_states_path": str(out.resolve())}
     if res.max_length is not None:
@@ -202,18 +249,19 @@ def handoff(out: Path, *, max_length: int | None = None, remove_strays: bool = F
         if res.strays and not res.strays_removed:
             raise ValueError("not writing the vocab mapping: SpecForge would count the stray "
                              "files too; remove them first (--remove-strays)")
-        target = target_vocab_size or target_vocab_from_model(meta)
+        target = target_vocab_size or target_vocab_from_model(next(iter(outputs.values())))
         counts = count_trained_tokens(files, res.max_length, target, progress)
         d2t, t2d = vocab_mapping(counts, draft_vocab_size, target)
         path = mapping_path or out / DEFAULT_MAPPING_NAME
         save_mapping(path, d2t, t2d)
-        res.trained_tokens = sum(counts.values())
+        counted = sum(counts.values())
         covered = sum(counts[int(t)] for t in t2d.nonzero().flatten().tolist())
         res.vocab_mapping = {
             "path": str(path.resolve()), "draft_vocab_size": draft_vocab_size,
             "target_vocab_size": target,
             "distinct_trained_ids": sum(c > 0 for c in counts.values()),
-            "trained_tokens_covered": round(covered / max(res.trained_tokens, 1), 6),
+            "trained_tokens_counted": counted,
+            "trained_tokens_covered": round(covered / max(counted, 1), 6),
             "counted_up_to": res.max_length}
         res.overrides["model.vocab_mapping_path"] = str(path.resolve())
     return res
@@ -222,7 +270,10 @@ def handoff(out: Path, *, max_length: int | None = None, remove_strays: bool = F
 def print_handoff(res: Handoff) -> None:
     """The human summary: longest record, cuts, strays, mapping, the overrides to pass."""
     print(f"hsdump specforge: {res.out}")
-    print(f"  records: {res.records:,} ({res.tokens:,} tokens)")
+    if res.outputs != ["."]:
+        print(f"  extract outputs: {len(res.outputs)} ({', '.join(res.outputs)})")
+    trained = "" if res.trained_tokens is None else f", {res.trained_tokens:,} trained"
+    print(f"  records: {res.records:,} ({res.tokens:,} tokens{trained})")
     if res.longest:
         print(f"  longest record: {res.longest['tokens']:,} tokens ({res.longest['id']}, "
               f"{res.longest['file']})")
@@ -234,15 +285,17 @@ def print_handoff(res: Handoff) -> None:
               f"{rec['file']})")
     for rel in res.missing:
         print(f"  missing record (in the manifest, not on disk): {rel}")
-    verb = "removed" if res.strays_removed else "not in the manifest"
+    verb = "removed" if res.strays_removed else "no manifest owns it"
     for rel in res.strays:
         print(f"  stray ({verb}): {rel}")
+    for sample_id, holders in res.duplicates.items():
+        print(f"  sample {sample_id} has a record in each of: {', '.join(holders)}")
     if res.vocab_mapping:
         vm = res.vocab_mapping
         print(f"  vocab mapping: {vm['path']} (draft {vm['draft_vocab_size']:,} of target "
               f"{vm['target_vocab_size']:,} ids; {vm['distinct_trained_ids']:,} distinct trained "
-              f"ids; covers {vm['trained_tokens_covered']:.2%} of {res.trained_tokens:,} trained "
-              "tokens)")
+              f"ids; covers {vm['trained_tokens_covered']:.2%} of "
+              f"{vm['trained_tokens_counted']:,} trained tokens)")
     print("specforge train overrides: " + " ".join(f"{k}={v}" for k, v in res.overrides.items()))
     for problem in res.problems:
         print(f"PROBLEM: {problem}")
@@ -254,7 +307,9 @@ def add_parser(subparsers: Any) -> None:
         "specforge", help="check an extract output for SpecForge and write its vocab mapping",
         description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True,
-                   help="the hsdump extract --format specforge output directory (required)")
+                   help="the hsdump extract --format specforge output directory, or a parent of "
+                        "several (one per shard), as given to SpecForge's "
+                        "data.hidden_states_path (required)")
     p.add_argument("--max-length", type=int, default=None,
                    help="the trainer's data.max_length: name every record it would cut and "
                         "exit 1 (default: none; the longest record is printed as the value "

@@ -111,7 +111,7 @@ class Report(RunReport):
     bytes: int = 0
     max_chunks: int = 0
     leftover_dump_dirs: int = 0
-    trained_tokens: int = 0  # loss-mask 1 tokens of the written samples (of ``tokens`` stored)
+    trained_tokens: int = 0  # loss-mask 1 tokens of the records as written (--loss-mask)
     longest: dict[str, Any] | None = None  # the longest written sample: id, tokens
     per_turn_fallbacks: int = 0  # chat rows ``auto`` split into per-turn samples
     fallback_reasons: dict[str, int] = field(default_factory=dict)
