@@ -504,3 +504,41 @@ def test_chat_template_kwargs_thinking_off(tmp_path, kimi_server, tiny_kimi):
     assert msgs[1]["token_ids"] == kimi_server.server.generate(ids, max_new_tokens=NEW)[
         "output_ids"]
     assert "reasoning_content" not in msgs[1] and msgs[1]["content"]  # no block: all content
+
+
+@pytest.mark.server
+def test_sampled_thinking_turns_follow_the_servers_prompts_then_extract(
+        tmp_path, kimi_server, tiny_kimi):
+    """Sampled (temperature 1.0, top_p 0.95, as Kimi-K2.5 is served) regeneration of a
+    two-turn thinking row: turns end at a random stop token; each turn's prompt is the
+    server's own chat rendering of the regenerated messages before it (checked on its
+    /v1/chat/completions), and extracting the output (the prompt check on) gives each turn's
+    prompt + its sampled ids verbatim. Seeded sampling (``--seed``) needs SGLang's
+    --enable-deterministic-inference, which 0.5.23 refuses for CPU attention backends: not
+    tested here."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_kimi[0], trust_remote_code=True)
+    client = RegenClient(kimi_server.url, request_timeout=120, retries=0, retry_wait=0.1)
+    row = openai_row(CONV[1:], id="kimi-sampled")
+    plan = plan_row(row, "t")
+    stops = list(range(0, len(tok), 5))  # about one token in five ends a turn
+    settings = Settings(server=kimi_server.url, out=tmp_path / "o.jsonl", max_new_tokens=64,
+                        sampling={"temperature": 1.0, "top_p": 0.95, "min_new_tokens": 3,
+                                  "stop_token_ids": stops})
+    regen = Regenerator(settings, client, tok, {}, None)
+    res = regen.process("kimi-sampled", row, plan)
+    msgs = res.row["messages"]
+    assert res.row[ROW_FIELD]["turns"] == [1, 3], res.finish
+    dataset = write_jsonl(tmp_path / "regen.jsonl", [res.row])
+    out = tmp_path / "eagle3"
+    assert cli(["extract", "--server", kimi_server.url, "--dump-dir", str(kimi_server.dump_dir),
+                "--dataset", str(dataset), "--out", str(out), "--no-progress",
+                "--multi-turn", "per-turn"]) == 0
+    recs = dict(iter_records(out))
+    report = json.loads((out / "report.shard-0-of-1.json").read_text())
+    assert report["prompts_checked_by_server"] == 2
+    for k, sid in ((1, "kimi-sampled"), (3, "kimi-sampled#3")):
+        served = _served_prompt(kimi_server, msgs[:k], None, None)
+        assert regen.prompt(msgs[:k], None)[0] == served, k
+        assert recs[sid]["input_ids"].tolist() == served + msgs[k]["token_ids"], k

@@ -355,3 +355,30 @@ def test_writer_threads_bind_to_the_writers_device(dump_dir: Path) -> None:
     assert w.device_index is None  # a CPU writer binds nothing
     assert len(w.thread_ids) == 4
     w.close()
+
+
+def test_a_failed_copy_gives_its_staging_pages_back(dump_dir: Path) -> None:
+    """A chunk whose copy into the staging pages fails (here: a meta tensor, which has no data)
+    fails its request and returns its pages: many such chunks, each alone taking most of the
+    in-flight cap, leave the cap free, so the next good chunk is not blocked behind pages that
+    were never released."""
+    cap = 64 * 1024
+    w = _writer(dump_dir, cap=cap)
+    rows = cap // (SLOTS * HIDDEN * 2) - 8  # bf16 rows: most of the cap
+    done = threading.Event()
+
+    def submit_all() -> None:
+        for n in range(8):
+            bad = torch.empty(rows, SLOTS, HIDDEN, dtype=torch.bfloat16, device="meta")
+            w.submit(_meta(f"hsdump-bad{n}", 0), [(protocol.HIDDEN_KEY, bad)], prompt_len=rows)
+        w.submit(_meta("hsdump-good", 0), _tensors(_batch(rows, seed=9), 0, rows), rows)
+        done.set()
+
+    threading.Thread(target=submit_all, daemon=True).start()
+    assert done.wait(10), "a submit waited for pages that a failed copy never gave back"
+    assert w.flush(timeout=30)
+    w.close()
+    for n in range(8):
+        assert "cannot copy the chunk" in _error(dump_dir, f"hsdump-bad{n}")["reason"]
+    assert protocol.request_status(dump_dir, "hsdump-good").done is not None
+    assert w.stats.internal_errors == 8 and _temp_files(dump_dir) == []
