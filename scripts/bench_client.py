@@ -18,8 +18,16 @@ It prints one table per format: records/s, GB/s into the output dir, and the rat
 min(read, write) (goal >= 80%), and writes it as JSON. Sampled records are read back and
 compared with the synthetic data.
 
+With ``--chat MESSAGES`` the samples are chat rows instead (scripts/bench_render.py's agent
+traces of that many messages, prompts of the same lengths, in a JSONL file) and the timed pass
+includes rendering them, as ``hsdump extract`` does: the dataset's rows are read and rendered
+(``iter_samples`` with ``--multi-turn``'s renderer and the tiny Kimi-K2.5 tokenizer) on the main
+thread while the pool writes the records of those already rendered. ``--tree PATH`` runs the
+same workload with another checkout's ``hsdump_patch`` (scripts/bench_ab.py).
+
     python scripts/bench_client.py --dump-dir /dev/shm/hsdump-bench --out-dir /data/bench
     python scripts/bench_client.py --small          # CPU-sized shapes, runs anywhere
+    python scripts/bench_client.py --small --chat 16   # chat rows, rendering included
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import datetime
+import inspect
 import json
 import os
 import platform
@@ -35,15 +44,26 @@ import random
 import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
-import torch
+import benchtree
 
-from hsdump_patch import __version__, protocol
-from hsdump_patch.client import records
-from hsdump_patch.client.dataset import Sample
-from hsdump_patch.client.extract import Extraction, Settings, request_id
+benchtree.select()
+
+import torch  # noqa: E402 - imports after choosing the tree (--tree)
+
+from hsdump_patch import __version__, protocol  # noqa: E402
+from hsdump_patch.client import records  # noqa: E402
+from hsdump_patch.client.dataset import Sample, SampleError, index_dataset, iter_samples  # noqa: E402
+from hsdump_patch.client.extract import Extraction, Settings  # noqa: E402
+
+try:
+    from hsdump_patch.client.extract import request_id
+except ImportError:  # a --tree from before issue 21: the rid was <prefix><id>
+    def request_id(prefix: str, run_id: str, sample_id: str) -> str:
+        return prefix + sample_id
 
 GB = 1e9
 GOAL = 0.80
@@ -147,14 +167,24 @@ def raw_write(out: Path, sizes: list[int], threads: int) -> float:
     return seconds
 
 
+def extraction(settings: Settings, info: protocol.ServerInfo) -> Extraction:
+    """The client's run object, without HTTP (a --tree from before issue 21 has no run id)."""
+    if "run_id" in inspect.signature(Extraction).parameters:
+        return Extraction(settings, info, None, RUN_ID)  # type: ignore[arg-type]
+    return Extraction(settings, info, None)  # type: ignore[call-arg,arg-type]
+
+
 def run_client(settings: Settings, info: protocol.ServerInfo, samples: list[Sample],
-               threads: int, refill: Callable[[], object] | None) -> tuple[list, float]:
+               threads: int, refill: Callable[[], object] | None,
+               timed: Callable[[], Iterable[Sample]] | None = None) -> tuple[list, float]:
     """The client's record path for every sample on ``threads`` threads; (results, seconds).
 
     With ``refill``, every record is first written once untimed, then the dump refilled and
     the records deleted: the timed pass is a long run's steady state (buffers reused, warm).
+    ``timed`` yields the timed pass's samples (default ``samples``): rendering chat rows there
+    puts it in the timed pass, overlapped with the writing as in ``hsdump extract``.
     """
-    run = Extraction(settings, info, None, RUN_ID)  # type: ignore[arg-type] - no HTTP here
+    run = extraction(settings, info)
     with cf.ThreadPoolExecutor(threads, thread_name_prefix="hsdump") as pool:
         if refill is not None:
             list(pool.map(run.write_record, samples))
@@ -162,8 +192,34 @@ def run_client(settings: Settings, info: protocol.ServerInfo, samples: list[Samp
             settings.out.mkdir()
             refill()
         t0 = time.perf_counter()
-        done = list(pool.map(run.write_record, samples))
+        done = list(pool.map(run.write_record, samples if timed is None else timed()))
     return done, time.perf_counter() - t0
+
+
+def chat_samples(rows: Path, messages: int, policy: str, tokenizer_dir: Path | None,
+                 lengths: list[int]) -> tuple[Callable[[], Iterable[Sample]], dict[str, Any]]:
+    """Write one chat row per prompt length to ``rows``; return what renders them into
+    samples (``hsdump extract``'s dataset path) and a description of the rows."""
+    from bench_render import chat_row, tokenizer
+
+    from hsdump_patch.client.conversation import chat_renderer
+
+    tok = tokenizer(tokenizer_dir)
+    with open(rows, "w") as f:
+        for i, n in enumerate(lengths):
+            f.write(json.dumps({"id": f"bench-{i}", **chat_row(messages, n, tok)}) + "\n")
+    refs, bad = index_dataset(rows)
+    renderer = chat_renderer(tok, policy)
+    if bad:
+        raise SystemExit(f"bench_client: {bad[0].where}: {bad[0].problem}")
+
+    def render() -> Iterable[Sample]:
+        for item in iter_samples(rows, refs, renderer, None):
+            if isinstance(item, SampleError):
+                raise SystemExit(f"bench_client: {item.where}: {item.problem}")
+            yield item
+
+    return render, {"rows": len(refs), "messages": messages, "multi_turn": policy}
 
 
 def check_records(out: Path, fmt: str, samples: list[Sample], info: protocol.ServerInfo) -> None:
@@ -210,8 +266,17 @@ def main() -> int:
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="write every record once untimed before the timed pass, as in a long "
                         "run (reused buffers warm) (default on)")
+    p.add_argument("--chat", type=int, default=0, metavar="MESSAGES",
+                   help="samples are chat rows of this many messages (agent traces), rendered "
+                        "in the timed pass (default 0: token ids, no rendering)")
+    p.add_argument("--multi-turn", choices=("auto", "per-turn", "last"), default="auto",
+                   help="the chat rows' multi-turn policy (default auto)")
+    p.add_argument("--tokenizer", type=Path, default=None,
+                   help="the chat rows' tokenizer directory (default: the tiny Kimi-K2.5 one, "
+                        "built)")
     p.add_argument("--json", type=Path, default=None,
                    help="write the results here too (default: print only)")
+    benchtree.add_argument(p)
     args = p.parse_args()
     if args.small:
         args.hidden, args.min_tokens, args.max_tokens = 512, 256, 2048
@@ -223,25 +288,38 @@ def main() -> int:
     layers = tuple(int(x) for x in args.layers.split(","))
     info = server_info(args.hidden, layers)
     rng = random.Random(0)
-    samples, total = [], 0
-    while total < args.gb * GB:
-        n = rng.randint(args.min_tokens, args.max_tokens)
-        ids = [rng.randrange(163_840) for _ in range(n)]
-        samples.append(Sample(f"bench-{len(samples)}", "bench", ids, [0] * (n // 4) +
-                              [1] * (n - n // 4)))
-        total += n * info.bytes_per_token
+    lengths: list[int] = []
+    while sum(lengths) * info.bytes_per_token < args.gb * GB:
+        lengths.append(rng.randint(args.min_tokens, args.max_tokens))
     # One copy of the dump is kept beside it: refilling copies it (cheap) instead of
     # regenerating the states.
     source = args.dump_dir.with_name(args.dump_dir.name + "-source")
     if args.dump_dir.exists() or source.exists() or args.out_dir.exists():
         raise SystemExit(f"bench_client: {args.dump_dir} or {args.out_dir} exists; pick new dirs")
+    timed, chat = None, None
+    if args.chat:
+        args.out_dir.mkdir(parents=True)
+        try:
+            timed, chat = chat_samples(args.out_dir / "rows.jsonl", args.chat,
+                                       args.multi_turn, args.tokenizer, lengths)
+            samples = list(timed())
+        except BaseException:
+            shutil.rmtree(args.out_dir)
+            raise
+    else:
+        samples = []
+        for n in lengths:
+            ids = [rng.randrange(163_840) for _ in range(n)]
+            samples.append(Sample(f"bench-{len(samples)}", "bench", ids, [0] * (n // 4) +
+                                  [1] * (n - n // 4)))
 
     results = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores",
                "samples": len(samples), "tokens": sum(len(s.input_ids) for s in samples),
                "hidden": args.hidden, "slots": len(layers) + 1, "concurrency": args.concurrency,
                "crc32": not args.no_crc32, "warmup": args.warmup,
-               "dump_dir": str(args.dump_dir), "out_dir": str(args.out_dir), "formats": {}}
+               "dump_dir": str(args.dump_dir), "out_dir": str(args.out_dir),
+               "tree": benchtree.imported_from(), "chat": chat, "formats": {}}
     try:
         dump_bytes = make_dump(source, info, samples, args.chunk)
 
@@ -264,11 +342,15 @@ def main() -> int:
             out.mkdir(parents=True)
             settings = Settings(server="-", dump_dir=args.dump_dir, out=out, fmt=fmt)
             done, seconds = run_client(settings, info, samples, args.concurrency,
-                                       refill if args.warmup else None)
+                                       refill if args.warmup else None, timed)
+            if [(d.sample.id, d.sample.input_ids, d.sample.loss_mask) for d in done] != [
+                    (s.id, s.input_ids, s.loss_mask) for s in samples]:
+                raise SystemExit("bench_client: the timed pass rendered other samples")
             check_records(out, fmt, samples, info)
             written = sum(d.size for d in done)
             gbs = written / seconds / GB
             results["formats"][fmt] = {"records_per_s": len(done) / seconds, "gbs": gbs,
+                                       "tokens_per_s": results["tokens"] / seconds,
                                        "gb": written / GB, "seconds": seconds,
                                        "ratio": gbs / limit}
             shutil.rmtree(out)
@@ -283,15 +365,18 @@ def main() -> int:
           f"{', no CRC32' if args.no_crc32 else ''}"
           f"{', after an untimed warm-up pass' if args.warmup else ''}; "
           f"dump {args.dump_dir} -> out {args.out_dir}")
-    print("| what | GB/s | records/s | ratio to min(read, write) |")
-    print("|---|---|---|---|")
-    print(f"| raw dump-dir read | {read_gbs:.2f} | | |")
-    print(f"| raw output write + fsync | {write_gbs:.2f} | | |")
+    if chat:
+        print(f"# {chat['rows']} chat rows of {chat['messages']} messages, rendered in the timed "
+              f"pass (--multi-turn {chat['multi_turn']})")
+    print("| what | GB/s | records/s | tokens/s | ratio to min(read, write) |")
+    print("|---|---|---|---|---|")
+    print(f"| raw dump-dir read | {read_gbs:.2f} | | | |")
+    print(f"| raw output write + fsync | {write_gbs:.2f} | | | |")
     ok = True
     for fmt, r in results["formats"].items():
         ok &= r["ratio"] >= GOAL
         print(f"| client `--format {fmt}` | {r['gbs']:.2f} | {r['records_per_s']:.2f} | "
-              f"{r['ratio']:.0%} |")
+              f"{r['tokens_per_s']:,.0f} | {r['ratio']:.0%} |")
     print(f"goal: client >= {GOAL:.0%} of min(read, write) = {limit:.2f} GB/s: "
           f"{'PASS' if ok else 'FAIL'}")
     results["goal_met"] = ok
