@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import copy
 import errno
 import json
 import os
@@ -585,6 +586,10 @@ def _check_done(dataset: Path, refs: list[RowRef], done: dict[str, dict[str, Any
     the rows with a sample still to extract (a chat row may give several: --multi-turn)."""
     row_at = {f"{dataset}:{r.line}": r.id for r in refs}
     redo = set()
+    if renderer is not None and renderer.check is not None:
+        # Written samples passed the server's check when written; their digests cover the rest.
+        renderer = copy.copy(renderer)
+        renderer.check = None
     for item in iter_samples(dataset, refs, renderer, max_len):
         if isinstance(item, Sample) and item.id not in done:
             redo.add(row_at[item.where])
@@ -649,11 +654,6 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                    help="SGLang reasoning parser whose think markers wrap reasoning_content, "
                         "e.g. kimi_k2 (default: the server's --reasoning-parser, else <think> / "
                         "</think> when both are tokens)")
-    p.add_argument("--prompt-check", choices=PROMPT_CHECKS, default="server",
-                   help="server: every trained turn's prompt ids must equal what the server "
-                        "serves for that turn's chat request (its /v1/tokenize), a row that "
-                        "differs is skipped with the reason; off: trust local rendering "
-                        "(default server)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (default: shown)")
 
 
@@ -689,6 +689,11 @@ def add_parser(subparsers: Any) -> None:
                         "SpecForge's one-token shift, the drafter's input and target tokens "
                         "are both emitted in one turn, as it drafts them when served "
                         "(docs/client.md) (default completion)")
+    p.add_argument("--prompt-check", choices=PROMPT_CHECKS, default="server",
+                   help="server: every trained turn's prompt ids must equal what the server "
+                        "serves for that turn's chat request (its /v1/tokenize), a row that "
+                        "differs is skipped with the reason; off: trust local rendering "
+                        "(default server)")
     p.add_argument("--chat-template-kwargs", type=template_kwargs, default=None,
                    help='JSON object passed to every chat-template rendering, as a request\'s '
                         'chat_template_kwargs (e.g. \'{"thinking": false}\' for Kimi-K2.5 '
