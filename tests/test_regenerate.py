@@ -542,3 +542,4 @@ def test_sampled_thinking_turns_follow_the_servers_prompts_then_extract(
         served = _served_prompt(kimi_server, msgs[:k], None, None)
         assert regen.prompt(msgs[:k], None)[0] == served, k
         assert recs[sid]["input_ids"].tolist() == served + msgs[k]["token_ids"], k
+
