@@ -224,3 +224,13 @@ def test_config_defaults_and_draft_ids(tmp_path: Path):
     draft.write_text(json.dumps({"eagle_config": {}}))
     with pytest.raises(ConfigError, match="no eagle_aux_hidden_state_layer_ids"):
         DumpConfig.from_env({"SGLANG_HS_DUMP_DIR": "/x", "SGLANG_HS_DUMP_DRAFT_CONFIG": str(draft)})
+
+
+def test_an_all_to_all_moe_backend_with_the_final_state_is_refused(tiny_models):
+    """DeepEP (any --moe-a2a-backend) with the final state dumped: refused, naming both ways
+    out; with layers only it runs."""
+    args = _resolved(tiny_models / "tiny-deepseek-v3", **EXTRACTION, moe_a2a_backend="deepep")
+    (problem,) = guards.problems_for_server_args(args, dump_final=True)
+    assert problem.startswith("--moe-a2a-backend deepep with the final state dumped")
+    assert "SGLANG_HS_DUMP_FINAL=0" in problem and "--moe-a2a-backend none" in problem
+    assert guards.problems_for_server_args(args, dump_final=False) == []

@@ -45,9 +45,10 @@ def _prefill_graph_problem(cfg: Any) -> str | None:
             f"{DISABLE_GRAPHS_FLAGS}.")
 
 
-def find_problems(cfg: Any) -> list[str]:
+def find_problems(cfg: Any, dump_final: bool = False) -> list[str]:
     """One message per unsupported setting of ``cfg``, a resolved config: attribute reads
-    return what SGLang resolved (see :class:`_Resolved`). Empty if the dump can run."""
+    return what SGLang resolved (see :class:`_Resolved`), with the post-norm final state
+    dumped or not (``dump_final``). Empty if the dump can run."""
     problems = []
     graph = _prefill_graph_problem(cfg)
     if graph:
@@ -103,6 +104,14 @@ def find_problems(cfg: Any) -> list[str]:
             "nodes write to their own node's dump dir, which the client never reads. Use "
             "--dp-size 1 with several nodes (or one server per node)."
         )
+    a2a = str(cfg.moe_a2a_backend or "none")
+    if dump_final and a2a != "none":
+        problems.append(
+            f"--moe-a2a-backend {a2a} with the final state dumped: an all-to-all MoE backend "
+            "lets SGLang leave the last layer's output scattered across ranks before the final "
+            "norm, so the final rows captured on rank 0 are not proven whole. Set "
+            "SGLANG_HS_DUMP_FINAL=0 (layers only) or serve with --moe-a2a-backend none."
+        )
     return problems
 
 
@@ -156,17 +165,17 @@ def problems_for_cli_args(namespace: Any) -> list[str]:
     return find_problems(_Resolved(args, published=False))
 
 
-def problems_for_server_args(server_args: Any) -> list[str]:
+def problems_for_server_args(server_args: Any, dump_final: bool = False) -> list[str]:
     """Messages for a ``ServerArgs`` on which ``resolve_once()`` has run."""
-    return find_problems(_Resolved(server_args, published=False))
+    return find_problems(_Resolved(server_args, published=False), dump_final)
 
 
-def problems_for_runner(runner: Any) -> list[str]:
+def problems_for_runner(runner: Any, dump_final: bool = False) -> list[str]:
     """Messages for a scheduler's target ``ModelRunner`` after graph capture: the published
     config, and the prefill graph runner the model runner actually built."""
     from sglang.srt.model_executor.runner.eager_runner import EagerRunner
 
-    problems = find_problems(_Resolved(runner.server_args, published=True))
+    problems = find_problems(_Resolved(runner.server_args, published=True), dump_final)
     graph_runner = getattr(runner, "prefill_cuda_graph_runner", None)
     # The same test as ModelRunner._forward_raw's before it replays a prefill graph.
     if graph_runner is not None and not isinstance(graph_runner, EagerRunner):

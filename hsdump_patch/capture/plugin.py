@@ -56,8 +56,8 @@ def _validate_after_resolution(result: Any, server_args: Any, *args: Any, **kwar
     from hsdump_patch.capture import guards
     from hsdump_patch.capture.config import DumpConfig
 
-    DumpConfig.from_env()
-    guards.raise_if(guards.problems_for_server_args(server_args))
+    config = DumpConfig.from_env()
+    guards.raise_if(guards.problems_for_server_args(server_args, config.dump_final))
 
 
 def _install_after_graphs(result: Any, runner: Any, *args: Any, **kwargs: Any) -> None:
@@ -69,7 +69,7 @@ def _install_after_graphs(result: Any, runner: Any, *args: Any, **kwargs: Any) -
     from hsdump_patch.capture.session import CaptureSession
 
     config = DumpConfig.from_env()
-    guards.raise_if(guards.problems_for_runner(runner))
+    guards.raise_if(guards.problems_for_runner(runner, config.dump_final))
     _session = CaptureSession(config, runner)
 
 
