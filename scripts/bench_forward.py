@@ -10,8 +10,9 @@ off, and on through the project's own capture code, driven in the order
   :class:`~hsdump_patch.capture.session.CaptureBuffers` buffer (which orders the fill after
   the copies of the forward that used that buffer last), and every captured layer and the
   final state copy their rows into it (``_ForwardState.store``);
-* after the last layer each request's rows (plus ``input_ids`` and ``positions``) are
-  submitted to the project's :class:`~hsdump_patch.capture.writer.DumpWriter`, then
+* after the last layer every request's rows (plus ``input_ids`` and ``positions``) are
+  submitted in one ``submit_forward`` call to the project's
+  :class:`~hsdump_patch.capture.writer.DumpWriter`, then
   ``CaptureBuffers.handed_off`` records the copies;
 * then the host waits for the forward, as the scheduler does for its sampled tokens.
 
@@ -19,9 +20,10 @@ Three conditions in one run, in ABBA order (``off, on, old, old, on, off`` per r
 (no capture), ``on`` (the shipped two buffers used in turn) and ``old`` (one buffer, the
 ordering before issue 17: each forward waits at its first capture for all of the previous
 forward's copies). Each forward's wall time is one sample; the table gives medians and the
-ratios to ``off``, the stream stall at the first capture and the host time blocked in
-``submit`` per forward. Every dumped value (hidden states, ids, positions) is read back from
-the files and checked against what the forward produced; a failed check exits 1.
+ratios to ``off``, the stream stall at the first capture, the host time blocked on the
+in-flight cap and the host time of the hand-off per forward. Every dumped value (hidden states,
+ids, positions) is read back from the files and checked against what the forward produced; a
+failed check exits 1. ``--diagnose`` and ``--profile`` add a breakdown (see their help).
 
     python scripts/bench_forward.py                  # cuda: Kimi-K2.5 shapes into /dev/shm
     python scripts/bench_forward.py --device cpu     # tiny shapes, a smoke test anywhere
@@ -30,6 +32,7 @@ the files and checked against what the forward produced; a failed check exits 1.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import platform
@@ -46,12 +49,21 @@ from safetensors.torch import load_file
 
 from hsdump_patch import protocol
 from hsdump_patch.capture import config
-from hsdump_patch.capture.session import CAPTURE_BUFFERS, CaptureBuffers, _ForwardState
-from hsdump_patch.capture.writer import DumpWriter
+from hsdump_patch.capture.session import (
+    CAPTURE_BUFFERS,
+    CaptureBuffers,
+    _ForwardState,
+    copy_rows,
+)
+from hsdump_patch.capture.writer import Chunk, DumpWriter
 
 VOCAB = 163_840  # Kimi-K2.5's vocabulary
 CONDITIONS = ("off", "on", "old")
-ABBA = ("off", "on", "old", "old", "on", "off")
+# --diagnose adds conditions that each leave out a part of "on" (their files are not checked):
+# pack0: the packing copies as before (bf16 strided copy_), nothing else; pack: the packing
+# copies (_ForwardState.store), no hand-off; nod2h: packing + every submit's host work, but no
+# device-to-host copy and no file; nowrite: all of "on" but the writer threads write no file.
+DIAGNOSTIC = ("pack0", "pack", "nod2h", "nowrite")
 GOAL = 1.01
 
 # Per-device defaults: Kimi-K2.5 shapes on a GPU (61 layers, EAGLE-3 layers 2, 30, 58 plus the
@@ -82,6 +94,7 @@ class Model:
         self._t = torch.arange(tokens, device=device)
         self._col = (torch.arange(hidden, device=device) % 101).to(torch.bfloat16)
         self.ids = torch.empty(tokens, dtype=torch.int32, device=device)
+        self.positions = torch.empty(tokens, dtype=torch.int64, device=device)  # set by Bench
 
     def fill(self, out: torch.Tensor, forward: int, slot: int) -> torch.Tensor:
         """Write ``pattern(forward, slot)`` (exact in bf16) into ``out``."""
@@ -110,8 +123,9 @@ class Sample:
     wall_ms: float
     gpu_ms: float
     stall_ms: float  # extra stream time of the first capture over a later one (its wait)
-    host_wait_ms: float  # the forward thread blocked in submit (in-flight cap)
-    handoff_ms: float  # host time of the hand-off (the submits)
+    host_wait_ms: float  # the forward thread blocked in the hand-off (in-flight cap)
+    handoff_ms: float  # host time of the hand-off
+    enqueue_ms: float = 0.0  # host time to enqueue the layers (before the hand-off)
 
 
 @dataclass
@@ -119,7 +133,7 @@ class Point:
     tokens: int
     us_target: float
     inner: int
-    samples: dict[str, list[Sample]] = field(default_factory=lambda: {c: [] for c in CONDITIONS})
+    samples: dict[str, list[Sample]] = field(default_factory=dict)
 
     def median(self, cond: str, attr: str = "wall_ms") -> float:
         return statistics.median(getattr(s, attr) for s in self.samples[cond])
@@ -146,9 +160,10 @@ class Bench:
         cuts = [round(tokens * i / n) for i in range(n + 1)]
         return [(a, b) for a, b in itertools.pairwise(cuts) if b > a]
 
-    def forward(self, model: Model, buffers: CaptureBuffers | None, tag: str
-                ) -> tuple[Sample, int]:
-        """One forward (dumped when ``buffers`` is given); return its sample and number."""
+    def forward(self, model: Model, buffers: CaptureBuffers | None, tag: str,
+                plain: torch.Tensor | None = None) -> tuple[Sample, int]:
+        """One forward (dumped when ``buffers`` is given; ``tag`` "pack" stores without a
+        hand-off; ``plain``: only a bf16 strided copy into it); return its sample and number."""
         f = self.forward_no = self.forward_no + 1
         ev = (lambda: torch.cuda.Event(enable_timing=True)) if self.cuda else None
         marks: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
@@ -164,6 +179,8 @@ class Bench:
             slot = slot_of.get(i)
             if slot is not None:
                 model.fill(model.x, f, slot)
+                if plain is not None:
+                    plain[: model.tokens, slot].copy_(model.x)
                 if state is not None:
                     a, b = (ev(), ev()) if ev else (None, None)
                     if a is not None:
@@ -175,7 +192,10 @@ class Bench:
             model.layer()
         model.fill(model.final, f, self.slots - 1)  # the final norm's output
         t1 = time.perf_counter()
-        if state is not None:
+        if state is not None and tag == "pack":
+            state.store(self.slots - 1, model.final)
+            state.buffers.handed_off()
+        elif state is not None:
             self.hand_off(state, model, f, tag)
         handoff = (time.perf_counter() - t1) * 1e3
         end = ev() if ev else None
@@ -189,7 +209,7 @@ class Bench:
             times = [a.elapsed_time(b) for a, b in marks]
             stall = max(0.0, times[0] - statistics.median(times[1:]))
         host = (self.writer.stats.forward_wait_s - wait0) * 1e3
-        return Sample(wall, gpu, stall, host, handoff), f
+        return Sample(wall, gpu, stall, host, handoff, (t1 - t0) * 1e3), f
 
     def hand_off(self, state: _ForwardState, model: Model, f: int, tag: str) -> None:
         """What ``CaptureSession._hand_off`` does, for one request per row range."""
@@ -200,8 +220,8 @@ class Bench:
                 raise RuntimeError(state.error or f"captured slots {sorted(state.captured)}")
             assert state.buf is not None
             ids = model.ids[: state.rows].to(torch.int64, copy=True)
-            positions = torch.cat([torch.arange(b - a, device=self.device)
-                                   for a, b in self.bounds(model.tokens)])
+            positions = model.positions[: state.rows].to(torch.int64, copy=True)
+            chunks = []
             for r, (a, b) in enumerate(self.bounds(model.tokens)):
                 rid = f"bench-{tag}-{f}-{r}"
                 self.writer.begin_request(rid)
@@ -209,9 +229,10 @@ class Bench:
                     rid=rid, prefix_len=0, layers=tuple(self.aux), has_final=True,
                     model="bench_forward", tp_size=1, sglang_version="0.5.23",
                     hsdump_version="bench")
-                self.writer.submit(meta, [(protocol.HIDDEN_KEY, state.buf[a:b]),
-                                          (protocol.INPUT_IDS_KEY, ids[a:b]),
-                                          (protocol.POSITIONS_KEY, positions[a:b])], b - a)
+                chunks.append(Chunk(meta, a, b, b - a))
+            self.writer.submit_forward([(protocol.HIDDEN_KEY, state.buf),
+                                        (protocol.INPUT_IDS_KEY, ids),
+                                        (protocol.POSITIONS_KEY, positions)], chunks)
         finally:
             state.buffers.handed_off()
 
@@ -247,13 +268,19 @@ class Bench:
 
     # ---------------------------------------------------------------- one point
 
+    def model(self, tokens: int, inner: int) -> Model:
+        """A :class:`Model` whose positions restart at 0 for each request (as in a batch)."""
+        model = Model(tokens, self.args.hidden, self.args.layers, inner, self.device)
+        model.positions.copy_(torch.cat([torch.arange(b - a) for a, b in self.bounds(tokens)]))
+        return model
+
     def calibrate(self, tokens: int, us: float) -> tuple[Model, int]:
         """A model whose forward (dump off) takes about ``us`` microseconds per token: the
         matmuls' inner size is scaled by target / measured, up to three tries."""
         inner = self.args.hidden
         for attempt in range(3):
             inner = max(64, round(inner / 64) * 64)
-            model = Model(tokens, self.args.hidden, self.args.layers, inner, self.device)
+            model = self.model(tokens, inner)
             self.forward(model, None, "cal")
             t = statistics.median(self.forward(model, None, "cal")[0].gpu_ms for _ in range(3))
             per_token = t * 1e3 / tokens
@@ -263,9 +290,78 @@ class Bench:
             inner = inner * us / per_token
         raise AssertionError("unreachable")
 
+    @contextlib.contextmanager
+    def leaving_out(self, cond: str):
+        """For a diagnostic condition: the writer stages no copy (nod2h) and writes no file
+        (nod2h, nowrite); it still waits for the copies and writes the markers."""
+        w = self.writer
+        if cond in ("nod2h", "nowrite"):
+            w._write_file = lambda job: job.ready.synchronize() if job.ready is not None else None
+        if cond == "nod2h":
+            w._stage = lambda tensors, staged: [None] * len(staged)
+        try:
+            yield
+        finally:
+            for name in ("_write_file", "_stage"):
+                w.__dict__.pop(name, None)
+
+    def discard(self, model: Model, dumped: list[tuple[str, int]]) -> None:
+        """Drain the writer and remove the marker folders of a diagnostic condition."""
+        if not self.writer.flush(timeout=600):
+            self.errors.append("the writer did not drain in 600 s")
+        for tag, f in dumped:
+            for r in range(len(self.bounds(model.tokens))):
+                shutil.rmtree(protocol.rid_dir(self.args.dump_dir, f"bench-{tag}-{f}-{r}"),
+                              ignore_errors=True)
+
+    def pack_micro(self, tokens: int) -> dict[str, float]:
+        """Device us per packing copy of one ``[tokens, H]`` state into a ``[T, S, H]`` slot."""
+        h = self.args.hidden
+        src = torch.randn(tokens, h, device=self.device).to(torch.bfloat16)
+        buf = torch.empty(tokens, self.slots, h, dtype=torch.bfloat16, device=self.device)
+        flat = torch.empty(self.slots, tokens, h, dtype=torch.bfloat16, device=self.device)
+        out = {}
+        for name, fn in (("bf16 copy_", lambda: buf[:, 1].copy_(src)),
+                         ("copy_rows", lambda: copy_rows(buf[:, 1], src)),
+                         ("contiguous", lambda: flat[1].copy_(src))):
+            fn()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(20):
+                fn()
+            b.record()
+            b.synchronize()
+            out[name] = round(a.elapsed_time(b) / 20 * 1e3, 1)
+        assert torch.equal(buf[:, 1], src)
+        return out
+
+    def profile(self, model: Model, buffers: CaptureBuffers) -> None:
+        """Print the device time per kernel of 3 forwards with the dump on, then off."""
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as prof
+
+        for cond, buf in (("on", buffers), ("off", None)):
+            self.forward(model, buf, "prof")
+            with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as pr:
+                for _ in range(3):
+                    self.forward(model, buf, "prof")
+            print(f"## profile {model.tokens} tokens, {cond}, 3 forwards", flush=True)
+            print(pr.key_averages().table(sort_by="self_device_time_total", row_limit=14),
+                  flush=True)
+        self.discard(model, [("prof", f) for f in range(self.forward_no - 8, self.forward_no + 1)])
+
     def point(self, tokens: int, us: float) -> Point:
         model, inner = self.calibrate(tokens, us)
         p = Point(tokens, us, inner)
+        conds = CONDITIONS + (DIAGNOSTIC if self.args.diagnose else ())
+        abba = conds + conds[::-1]
+        p.samples = {c: [] for c in conds}
+        plain = None
+        if self.args.diagnose and self.cuda:
+            print(f"## packing copy us, {tokens} tokens: {self.pack_micro(tokens)}", flush=True)
+        if "pack0" in conds:
+            plain = torch.empty(tokens, self.slots, model.hidden, dtype=torch.bfloat16,
+                                device=self.device)
         buffers = {"on": CaptureBuffers(self.writer, self.slots, model.hidden, torch.bfloat16,
                                         self.device, CAPTURE_BUFFERS),
                    "old": CaptureBuffers(self.writer, self.slots, model.hidden, torch.bfloat16,
@@ -273,17 +369,24 @@ class Bench:
         for b in buffers.values():
             b.reserve(tokens)
         for _ in range(self.args.rounds):
-            for cond in ABBA:
-                buf = buffers.get(cond)
+            for cond in abba:
+                buf = buffers.get(cond, buffers["on"] if cond in DIAGNOSTIC[1:] else None)
                 dumped = []
-                for k in range(self.args.forwards + 1):  # the first one warms up the block
-                    sample, f = self.forward(model, buf, cond)
-                    if buf is not None:
-                        dumped.append((cond, f))
-                    if k:
-                        p.samples[cond].append(sample)
-                self.verify(model, dumped)  # also drains the writer before the next block
-        del model, buffers
+                with self.leaving_out(cond):
+                    for k in range(self.args.forwards + 1):  # the first one warms up the block
+                        sample, f = self.forward(model, buf, cond,
+                                                 plain if cond == "pack0" else None)
+                        if buf is not None:
+                            dumped.append((cond, f))
+                        if k:
+                            p.samples[cond].append(sample)
+                if cond in DIAGNOSTIC:
+                    self.discard(model, dumped)
+                else:
+                    self.verify(model, dumped)  # also drains the writer before the next block
+        if self.args.profile and self.cuda:
+            self.profile(model, buffers["on"])
+        del model, buffers, plain
         if self.cuda:
             torch.cuda.empty_cache()
         return p
@@ -307,8 +410,16 @@ def table(points: list[Point]) -> list[dict]:
             "stall_on_ms": round(p.median("on", "stall_ms"), 3),
             "stall_old_ms": round(p.median("old", "stall_ms"), 3),
             "host_wait_on_ms": round(max(s.host_wait_ms for s in p.samples["on"]), 3),
+            "enqueue_on_ms": round(p.median("on", "enqueue_ms"), 3),
+            "enqueue_off_ms": round(p.median("off", "enqueue_ms"), 3),
             "samples": {c: len(p.samples[c]) for c in CONDITIONS},
         })
+        for c in p.samples:
+            if c not in CONDITIONS:
+                rows[-1][f"diag_{c}"] = {
+                    "ms": round(p.median(c), 2), "vs_off": round(p.median(c) / off, 4),
+                    "gpu_ms": round(p.median(c, "gpu_ms"), 2),
+                    "handoff_ms": round(p.median(c, "handoff_ms"), 3)}
     return rows
 
 
@@ -355,6 +466,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "exists, else the temp dir; removed afterwards)")
     ap.add_argument("--json", type=Path, default=None, help="write the results here "
                     "(default: none)")
+    ap.add_argument("--diagnose", action="store_true",
+                    help="also measure conditions that each leave out one part of the dump "
+                         f"({', '.join(DIAGNOSTIC)}; see the source) and time the packing "
+                         "copy alone (default: off)")
+    ap.add_argument("--profile", action="store_true",
+                    help="print torch.profiler's device time per kernel for 3 forwards on "
+                         "and off at each point (default: off)")
     args = ap.parse_args(argv)
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -21,7 +21,8 @@ from safetensors.torch import load_file
 
 from hsdump_patch import protocol
 from hsdump_patch.capture import writer as writer_module
-from hsdump_patch.capture.writer import DumpWriter
+from hsdump_patch.capture.session import copy_rows
+from hsdump_patch.capture.writer import Chunk, DumpWriter
 
 SLOTS, HIDDEN = 4, 64
 CPU = torch.device("cpu")
@@ -66,6 +67,39 @@ def _error(dump_dir: Path, rid: str) -> dict:
     status = protocol.request_status(dump_dir, rid)
     assert status.done is None and status.error is not None
     return status.error
+
+
+def test_submit_forward_writes_each_requests_rows_and_fails_a_bad_range(dump_dir: Path) -> None:
+    """One forward's hand-off in one call (as the capture does): each chunk file holds exactly
+    its rows of the whole-batch tensors; a range outside them fails only its own request."""
+    batch = _batch(300, seed=3, hidden=256)
+    whole = [(k, t) for k, t in zip((protocol.HIDDEN_KEY, protocol.INPUT_IDS_KEY,
+                                     protocol.POSITIONS_KEY), batch, strict=True)]
+    bounds = {"hsdump-f0": (0, 7), "hsdump-f1": (7, 250), "hsdump-f2": (250, 300)}
+    expected = {rid: [(k, t[a:b].clone()) for k, t in whole] for rid, (a, b) in bounds.items()}
+    w = _writer(dump_dir)
+    chunks = [Chunk(_meta(rid, 0), a, b, b - a) for rid, (a, b) in bounds.items()]
+    w.submit_forward(whole, [*chunks, Chunk(_meta("hsdump-bad", 0), 250, 301, 51)])
+    batch[0].zero_()
+    assert w.flush(timeout=30)
+    for rid, ref in expected.items():
+        loaded = load_file(protocol.list_chunks(dump_dir, rid)[0][1])
+        for key, want in ref:
+            assert torch.equal(loaded[key], want), (rid, key)
+        assert protocol.request_status(dump_dir, rid).done["tokens"] == len(ref[1][1])
+    assert "outside a tensor of 300" in _error(dump_dir, "hsdump-bad")["reason"]
+    w.close()
+
+
+def test_copy_rows_packs_a_slot_exactly() -> None:
+    """The capture's packing copy (moved as wide elements when the layout allows) equals a
+    plain copy, for an aligned slot and for rows whose width does not allow a wide view."""
+    for hidden in (64, 3):  # 3: 6-byte rows, no wide view
+        src = torch.randn(33, hidden).to(torch.bfloat16)
+        buf = torch.zeros(40, SLOTS, hidden, dtype=torch.bfloat16)
+        copy_rows(buf[:33, 2], src)
+        assert torch.equal(buf[:33, 2], src)
+        assert not buf[:33, [0, 1, 3]].any() and not buf[33:].any()
 
 
 def test_chunks_are_safetensors_with_exact_bytes_and_private_modes(dump_dir: Path) -> None:

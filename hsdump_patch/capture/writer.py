@@ -1,9 +1,11 @@
 """Asynchronous, bounded writer of chunk files (runs on the writer rank only).
 
-The forward thread calls :meth:`DumpWriter.submit`; it only copies the chunk into staging
-pages (on CUDA: enqueues device-to-host copies into pinned pages on a side stream) and
-returns. A pool of threads waits for each copy, writes the chunk's pages into its temp file
-with ``pwrite`` and renames the file into place. Each file is written by one thread: tmpfs
+The forward thread calls :meth:`DumpWriter.submit_forward` once per dumped forward (or
+:meth:`DumpWriter.submit` per chunk); it only copies the chunks into staging pages (on CUDA:
+enqueues device-to-host copies into pinned pages on a side stream, after one stream wait, with
+one event per chunk) and returns: its host time is on the forward's critical path. A
+pool of threads waits for each copy, writes the chunk's pages into its temp file with
+``pwrite`` and renames the file into place. Each file is written by one thread: tmpfs
 bandwidth scales with threads writing different files, while writes to one file are serialized
 by the kernel, so several chunks (requests) are written at once instead.
 
@@ -60,6 +62,27 @@ class _RidState:
     error: str | None = None
     marker_written: bool = False  # done, or the first error (a later error changes nothing)
     superseded: bool = False  # a newer attempt of the rid began: this one writes no marker
+    dir_made: bool = False  # its directory exists (made by a writer thread for this attempt)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One request's chunk in :meth:`DumpWriter.submit_forward`: rows ``[start, end)`` of
+    every tensor (``end`` None: to the end). ``prompt_len`` is set when it ends the prompt."""
+
+    meta: protocol.ChunkMeta
+    start: int
+    end: int | None
+    prompt_len: int | None
+
+
+@dataclass
+class _Staged:
+    chunk: Chunk
+    state: _RidState
+    header: bytes
+    nbytes: int
+    pages: list[_Page]
 
 
 @dataclass
@@ -150,54 +173,77 @@ class DumpWriter:
         tensors: list[tuple[str, torch.Tensor]],
         prompt_len: int | None,
     ) -> None:
-        """Queue one chunk of one request. ``prompt_len`` is set when this chunk ends the prompt.
+        """Queue one chunk of one request: all of ``tensors``. ``prompt_len`` is set when this
+        chunk ends the prompt. See :meth:`submit_forward`."""
+        self.submit_forward(tensors, [Chunk(meta, 0, None, prompt_len)])
 
-        The data is taken as it is in stream order at the call (on CUDA the copy is enqueued
-        on a side stream that waits for the current stream); the caller may drop or reuse the
-        tensors right after, and nothing keeps them beyond the copy.
+    def submit_forward(self, tensors: list[tuple[str, torch.Tensor]], chunks: list[Chunk]
+                       ) -> None:
+        """Queue one chunk file per entry of ``chunks`` (one forward's hand-off): each holds
+        its rows of every one of ``tensors``, named as given, back to back.
+
+        The data is taken as it is in stream order at the call (on CUDA the copies are
+        enqueued on a side stream that waits once for the current stream); the caller may
+        drop or reuse the tensors right after, and nothing keeps them beyond the copies.
+        Per-chunk work is kept small: each tensor is flattened once, the free space is read
+        once, and the side stream waits for the current stream once.
         """
-        rid = meta.rid
-        state = self._rid_state(rid)
         with self._cond:
-            failed, closed = state.error is not None, self._closed
-        if closed:
-            self._fail(rid, state, "the dump writer is shut down", prompt_len)
-            return
-        if failed:
-            self._fail(rid, state, None, prompt_len)
+            closed = self._closed
+        fs_free = self._fs_free()
+        staged: list[_Staged] = []
+        for chunk in chunks:
+            rid, prompt_len = chunk.meta.rid, chunk.prompt_len
+            state = self._rid_state(rid)
+            with self._cond:
+                failed = state.error is not None
+            if closed:
+                self._fail(rid, state, "the dump writer is shut down", prompt_len)
+                continue
+            if failed:
+                self._fail(rid, state, None, prompt_len)
+                continue
+            try:
+                specs = [protocol.TensorSpec(n, _st_dtype(t), _rows_shape(t, chunk))
+                         for n, t in tensors]
+                header = protocol.safetensors_header(specs, chunk.meta.to_strings())
+            except Exception as e:
+                self._internal_error(rid, state, prompt_len, f"cannot describe the chunk: {e!r}")
+                continue
+            nbytes = len(header) + sum(spec.nbytes for spec in specs)
+            reason = self._check_free_space(nbytes, fs_free)
+            if reason is not None:
+                self._fail(rid, state, reason, prompt_len)
+                continue
+            try:
+                pages = self._acquire(-(-nbytes // self.page_bytes))
+            except Exception as e:
+                self._internal_error(rid, state, prompt_len, f"cannot allocate staging: {e!r}")
+                continue
+            staged.append(_Staged(chunk, state, header, nbytes, pages))
+        if not staged:
             return
         try:
-            specs = [protocol.TensorSpec(n, _st_dtype(t), tuple(t.shape)) for n, t in tensors]
-            header = protocol.safetensors_header(specs, meta.to_strings())
-        except Exception as e:
-            self._internal_error(rid, state, prompt_len, f"cannot describe the chunk: {e!r}")
-            return
-        nbytes = len(header) + sum(s.nbytes for s in specs)
-        reason = self._check_free_space(nbytes)
-        if reason is not None:
-            self._fail(rid, state, reason, prompt_len)
-            return
-        try:
-            pages = self._acquire(-(-nbytes // self.page_bytes))
-        except Exception as e:
-            self._internal_error(rid, state, prompt_len, f"cannot allocate staging: {e!r}")
-            return
-        try:
-            ready = self._stage(header, [t for _, t in tensors], pages)
-            final = protocol.rid_dir(self.dump_dir, rid) / protocol.chunk_filename(meta.prefix_len)
-            job = _FileJob(rid, state, meta.prefix_len, final, protocol.temp_path(final), pages,
-                           nbytes, ready)
+            ready = self._stage([t for _, t in tensors], staged)
         except Exception as e:  # _stage waited for any copy it had started
-            self._release(pages)
-            self._internal_error(rid, state, prompt_len, f"cannot copy the chunk: {e!r}")
+            for st in staged:
+                self._release(st.pages)
+                self._internal_error(st.chunk.meta.rid, st.state, st.chunk.prompt_len,
+                                     f"cannot copy the chunk: {e!r}")
             return
-        with self._cond:
-            state.outstanding += 1
-            state.chunks.append(meta.prefix_len)
-            state.tokens += int(tensors[0][1].shape[0])
-            if prompt_len is not None:
-                state.prompt_len = prompt_len
-        self._tasks.put(job)
+        for st, done in zip(staged, ready, strict=True):
+            meta = st.chunk.meta
+            final = protocol.rid_dir(self.dump_dir, meta.rid) / protocol.chunk_filename(
+                meta.prefix_len)
+            job = _FileJob(meta.rid, st.state, meta.prefix_len, final, protocol.temp_path(final),
+                           st.pages, st.nbytes, done)
+            with self._cond:
+                st.state.outstanding += 1
+                st.state.chunks.append(meta.prefix_len)
+                st.state.tokens += _rows_shape(tensors[0][1], st.chunk)[0]
+                if st.chunk.prompt_len is not None:
+                    st.state.prompt_len = st.chunk.prompt_len
+            self._tasks.put(job)
 
     def begin_request(self, rid: str) -> None:
         """Start a new attempt of ``rid`` (its first chunk): forget an earlier attempt.
@@ -282,13 +328,21 @@ class DumpWriter:
                     self._rids.popitem(last=False)
             return state
 
-    def _check_free_space(self, nbytes: int) -> str | None:
+    def _fs_free(self) -> int | str:
+        """Free bytes of the dump dir's filesystem, or why they cannot be read."""
         try:
             st = os.statvfs(self.dump_dir)
         except OSError as e:
             return f"cannot stat the dump dir {self.dump_dir}: {e}"
+        return st.f_bavail * st.f_frsize
+
+    def _check_free_space(self, nbytes: int, fs_free: int | str) -> str | None:
+        """Why a chunk of ``nbytes`` may not be staged (None: it may), given ``_fs_free()``
+        read before any chunk of this call was staged (their pages count as in flight)."""
+        if isinstance(fs_free, str):
+            return fs_free
         pending = self.inflight_bytes
-        free = st.f_bavail * st.f_frsize - pending
+        free = fs_free - pending
         if free - nbytes < self.min_free_bytes:
             return (
                 f"not enough free space in {self.dump_dir}: {free} bytes free (after "
@@ -367,37 +421,47 @@ class DumpWriter:
             self.stats.staging_bytes = self._pool_pages * self.page_bytes
             self._cond.notify_all()
 
-    def _stage(
-        self, header: bytes, tensors: list[torch.Tensor], pages: list[_Page]
-    ) -> torch.cuda.Event | None:
-        """Copy header + raw tensor bytes back to back into ``pages``."""
-        self._copy_host(pages, np.frombuffer(header, dtype=np.uint8), 0)
+    def _stage(self, tensors: list[torch.Tensor], staged: list[_Staged]
+               ) -> list[torch.cuda.Event | None]:
+        """Copy each staged chunk's header + its rows' raw bytes back to back into its pages;
+        return each chunk's copy-done event (None off CUDA)."""
         flats = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
-        pos = len(header)
+        row_bytes = [f.numel() // t.shape[0] if t.dim() and t.shape[0] else 0
+                     for t, f in zip(tensors, flats, strict=True)]
+        for st in staged:
+            self._copy_host(st.pages, np.frombuffer(st.header, dtype=np.uint8), 0)
         if not self._cuda:
             # numpy, not torch: a plain memcpy, without the intra-op thread pool's latency.
-            for flat in flats:
-                pos = self._copy_host(pages, flat.numpy(), pos)
-            return None
+            arrays = [f.numpy() for f in flats]
+            for st in staged:
+                pos = len(st.header)
+                for arr, rb in zip(arrays, row_bytes, strict=True):
+                    lo, hi = _byte_range(st.chunk, rb, len(arr))
+                    pos = self._copy_host(st.pages, arr[lo:hi], pos)
+            return [None] * len(staged)
         assert self._side_stream is not None
         self._side_stream.wait_stream(torch.cuda.current_stream())
+        events: list[torch.cuda.Event | None] = []
         with torch.cuda.stream(self._side_stream):
-            ready = copy_done_event(self._blocking_events)
             try:
-                for flat in flats:
-                    for i, off, lo, n in _spans(pos, flat.numel(), self.page_bytes):
-                        pages[i].tensor[off : off + n].copy_(flat[lo : lo + n], non_blocking=True)
-                    pos += flat.numel()
+                for st in staged:
+                    pos = len(st.header)
+                    for flat, rb in zip(flats, row_bytes, strict=True):
+                        lo, hi = _byte_range(st.chunk, rb, flat.numel())
+                        for i, off, src, n in _spans(pos, hi - lo, self.page_bytes):
+                            st.pages[i].tensor[off : off + n].copy_(
+                                flat[lo + src : lo + src + n], non_blocking=True)
+                        pos += hi - lo
+                    events.append(copy_done_event(self._blocking_events))
+                    events[-1].record(self._side_stream)
             except BaseException:
                 # The caller puts the pages back in the pool: no copy may still land there.
-                ready.record(self._side_stream)
-                ready.synchronize()
+                self._side_stream.synchronize()
                 raise
-            ready.record(self._side_stream)
-        for f in flats:  # the caller may free them now: their memory waits for the copy
+        for f in flats:  # the caller may free them now: their memory waits for the copies
             if f.is_cuda:
                 f.record_stream(self._side_stream)
-        return ready
+        return events
 
     def _copy_host(self, pages: list[_Page], src: np.ndarray, start: int) -> int:
         """Copy host bytes ``src`` to stream offset ``start``; return the offset after them."""
@@ -434,7 +498,9 @@ class DumpWriter:
         try:
             if job.ready is not None:
                 job.ready.synchronize()
-            protocol.make_private_dir(job.final.parent)
+            if not job.state.dir_made:  # fewer syscalls: each one is a GIL hand-over
+                protocol.make_private_dir(job.final.parent)
+                job.state.dir_made = True
             fd = os.open(job.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, protocol.FILE_MODE)
             try:
                 for i in range(0, len(job.pages), _PAGES_PER_WRITE):
@@ -515,7 +581,8 @@ class DumpWriter:
                 return
         try:
             d = protocol.rid_dir(self.dump_dir, rid)
-            protocol.make_private_dir(d)
+            if not state.dir_made:
+                protocol.make_private_dir(d)
             protocol.write_json_atomic(d / marker, payload)
         except Exception:
             with self._cond:
@@ -557,6 +624,24 @@ def _spans(start: int, n: int, page_bytes: int) -> Iterator[tuple[int, int, int,
         k = min(page_bytes - off, end - pos)
         yield i, off, pos - start, k
         pos += k
+
+
+def _rows_shape(t: torch.Tensor, chunk: Chunk) -> tuple[int, ...]:
+    """The shape of ``chunk``'s rows of ``t``."""
+    if chunk.start == 0 and chunk.end is None:
+        return tuple(t.shape)
+    end = t.shape[0] if chunk.end is None else chunk.end
+    if not 0 <= chunk.start <= end <= t.shape[0]:
+        raise ValueError(f"rows [{chunk.start}, {end}) are outside a tensor of {t.shape[0]}")
+    return (end - chunk.start, *t.shape[1:])
+
+
+def _byte_range(chunk: Chunk, row_bytes: int, total: int) -> tuple[int, int]:
+    """``chunk``'s rows as a byte range of a flattened tensor of ``total`` bytes."""
+    if chunk.start == 0 and chunk.end is None:
+        return 0, total
+    end = total if chunk.end is None else chunk.end * row_bytes
+    return chunk.start * row_bytes, end
 
 
 def _st_dtype(t: torch.Tensor) -> str:
