@@ -32,6 +32,7 @@ from hsdump_patch.client.regenerate import (
 )
 from hsdump_patch.client.rowlog import RowLog
 from hsdump_patch.reader import iter_records
+from tests.conftest import start_dump_server
 from tests.harness import server as srv
 from tests.test_client_dataset import CONV, openai_row, sharegpt_row, write_jsonl
 
@@ -543,3 +544,32 @@ def test_sampled_thinking_turns_follow_the_servers_prompts_then_extract(
         assert regen.prompt(msgs[:k], None)[0] == served, k
         assert recs[sid]["input_ids"].tolist() == served + msgs[k]["token_ids"], k
 
+
+
+@pytest.mark.server
+def test_sampled_regeneration_is_reproducible_on_a_seeded_server(tmp_path, tiny_models):
+    """Seeded sampling. SGLang 0.5.23 honours a request's ``sampling_seed`` (``--seed``) only
+    under --enable-deterministic-inference, which it refuses for CPU attention backends
+    ("only ascend, fa3, fa4, flashinfer, intel_xpu, triton"); a server started with
+    --random-seed samples from its seeded generator instead. Two fresh servers of one seed
+    regenerate the same sampled tokens (temperature 1.0, one request at a time), and those are
+    not the greedy ones."""
+    dataset = write_jsonl(tmp_path / "d.jsonl", [
+        openai_row([("user", "What is the capital of France?")], id="a"),
+        openai_row(CONV[1:2], id="b")])
+    outs = []
+    for n in range(2):
+        s = start_dump_server(tmp_path, tiny_models / "tiny-llama", f"seeded-{n}",
+                              args=["--random-seed", "7"], dump=False)
+        try:
+            for name, temperature in (("sampled", "1.0"), ("greedy", "0"))[: n + 1]:
+                assert regenerate(s, dataset, tmp_path / f"{name}{n}.jsonl", "--concurrency",
+                                  "1", "--temperature", temperature, greedy=False) == 0
+        finally:
+            s.server.stop()
+        rows = read_rows(tmp_path / f"sampled{n}.jsonl")
+        assert all(r[ROW_FIELD]["sampling"]["temperature"] == 1.0 for r in rows)
+        outs.append({r["id"]: r["messages"][-1]["token_ids"] for r in rows})
+    assert outs[0] == outs[1]
+    greedy = read_rows(tmp_path / "greedy1.jsonl")
+    assert outs[0] != {r["id"]: r["messages"][-1]["token_ids"] for r in greedy}
