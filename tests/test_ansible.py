@@ -73,14 +73,17 @@ class Ansible:
 
     def playbook(self, playbook: str | Path, inventory: Path, *, extra: dict | None = None,
                  check: bool = False, tags: str | None = None, path_prepend: Path | None = None,
-                 timeout: float = 1500) -> Run:
-        """Run ``ansible-playbook`` from ansible/ with the CPU-host vars plus ``extra``."""
+                 vault: tuple[Path, Path] | None = None, timeout: float = 1500) -> Run:
+        """Run ``ansible-playbook`` from ansible/ with the CPU-host vars plus ``extra``, and
+        ``vault`` = (encrypted vars file, its password file) when given."""
         cmd = [str(self.bin / "ansible-playbook"), "-i", str(inventory), str(playbook),
                "-e", f"@{CPU_VARS}"]
         if extra:
             var_file = self.tmp / f"vars-{uuid.uuid4().hex[:8]}.json"
             var_file.write_text(json.dumps(extra))
             cmd += ["-e", f"@{var_file}"]
+        if vault:
+            cmd += ["-e", f"@{vault[0]}", "--vault-password-file", str(vault[1])]
         if check:
             cmd.append("--check")
         if tags:
@@ -437,18 +440,22 @@ def _docker(*args: str, check: bool = True) -> str:
     return subprocess.run(["docker", *args], check=check, capture_output=True, text=True).stdout
 
 
+def _tiny_image(tmp_path: Path, ref: str) -> str:
+    """Import a one-file image as ``ref``; returns its id."""
+    content = tmp_path / "rootfs"
+    content.mkdir()
+    (content / "hello.txt").write_text("a tiny image for the image role's tests\n")
+    tar = subprocess.run(["tar", "-C", str(content), "-cf", "-", "."], check=True,
+                         capture_output=True).stdout
+    subprocess.run(["docker", "import", "-", ref], input=tar, check=True, capture_output=True)
+    return _docker("image", "inspect", "-f", "{{.Id}}", ref).strip()
+
+
 def test_image_loaded_from_a_tarball_and_verified(ansible, docker_engine, tmp_path):
     """The air-gapped path: `docker save` tarball on the controller, copied, loaded, id checked,
     staged copy removed; a second run fetches nothing; a wrong id fails with its message."""
     name, tag = "hsdump-ansible-tiny", f"ci-{uuid.uuid4().hex[:8]}"
-    content = tmp_path / "rootfs"
-    content.mkdir()
-    (content / "hello.txt").write_text("a tiny image for the tarball path\n")
-    tar = subprocess.run(["tar", "-C", str(content), "-cf", "-", "."], check=True,
-                         capture_output=True).stdout
-    subprocess.run(["docker", "import", "-", f"{name}:{tag}"], input=tar, check=True,
-                   capture_output=True)
-    image_id = _docker("image", "inspect", "-f", "{{.Id}}", f"{name}:{tag}").strip()
+    image_id = _tiny_image(tmp_path, f"{name}:{tag}")
     tarball = tmp_path / f"{name}-{tag}.tar"
     _docker("save", "-o", str(tarball), f"{name}:{tag}")
     _docker("rmi", f"{name}:{tag}")
@@ -470,6 +477,85 @@ def test_image_loaded_from_a_tarball_and_verified(ansible, docker_engine, tmp_pa
         assert f"has id {image_id}, expected hsdump_image_id=sha256:" in wrong.output
     finally:
         _docker("rmi", f"{name}:{tag}", check=False)
+
+
+@pytest.fixture
+def registry(docker_engine, tmp_path) -> Iterator[tuple[str, str, str, Path]]:
+    """Docker's own registry (Debian's docker-registry) on loopback with a bcrypt htpasswd
+    login: yields (host:port, user, password, its log). Docker trusts 127.0.0.0/8 over HTTP."""
+    require(shutil.which("docker-registry") and shutil.which("htpasswd"),
+            "docker-registry and htpasswd (make prereqs)")
+    user, password = "hsdump-ci", f"pw-{uuid.uuid4().hex}"
+    root = tmp_path / "registry"
+    root.mkdir()
+    (root / "htpasswd").write_text(subprocess.run(
+        ["htpasswd", "-Bbn", user, password], check=True, capture_output=True, text=True).stdout)
+    addr = f"127.0.0.1:{free_port()}"
+    (root / "config.yml").write_text(yaml.safe_dump({
+        "version": 0.1, "storage": {"filesystem": {"rootdirectory": str(root / "data")}},
+        "http": {"addr": addr},
+        "auth": {"htpasswd": {"realm": "hsdump-ci", "path": str(root / "htpasswd")}}}))
+    log = root / "registry.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(["docker-registry", "serve", str(root / "config.yml")],
+                                stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while True:  # 401 = up and asking for the login
+            try:
+                if requests.get(f"http://{addr}/v2/", timeout=2).status_code == 401:
+                    break
+            except requests.ConnectionError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.5)
+        yield addr, user, password, log
+    finally:
+        _docker("logout", addr, check=False)
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_image_pulled_from_the_registry_with_the_vault_password(ansible, registry, tmp_path):
+    """hsdump_image_source=pull: the pulled name carries hsdump_image_registry (not Docker
+    Hub's library/), and the login reads the inventory vault's registry password (never
+    printed); without that password the play stops before the login, naming the variable."""
+    addr, user, password, log = registry
+    name, tag = "hsdump-ansible-pull", f"ci-{uuid.uuid4().hex[:8]}"
+    remote = f"{addr}/{name}:{tag}"
+    image_id = _tiny_image(tmp_path, remote)
+    subprocess.run(["docker", "login", "-u", user, "--password-stdin", addr], input=password,
+                   check=True, capture_output=True, text=True)
+    _docker("push", remote)
+    _docker("logout", addr)
+    _docker("rmi", remote)
+    secret, vault = tmp_path / "vault-pass", tmp_path / "vault.yml"
+    secret.write_text(uuid.uuid4().hex)
+    vault.write_text(yaml.safe_dump({"vault_hsdump_image_registry_password": password}))
+    subprocess.run([str(ansible.bin / "ansible-vault"), "encrypt", "--vault-password-file",
+                    str(secret), str(vault)], check=True, capture_output=True)
+    assert password not in vault.read_text()
+    v = {"hsdump_image_name": name, "hsdump_image_tag": tag, "hsdump_image_id": image_id,
+         "hsdump_image_source": "pull", "hsdump_image_registry": addr,
+         "hsdump_image_registry_username": user, "hsdump_state_dir": str(tmp_path / "state")}
+    try:
+        no_vault = ansible.playbook("deploy.yml", ONE_HOST, extra=v, tags="image")
+        flat = " ".join(no_vault.output.split())
+        assert no_vault.rc != 0, flat[-3000:]
+        assert ("hsdump_image_registry_username is set for cpu-host, but the registry password "
+                "is empty: put vault_hsdump_image_registry_password in the inventory vault "
+                "file") in flat, flat[-3000:]
+        pulled = ansible.playbook("deploy.yml", ONE_HOST, extra=v, tags="image",
+                                  vault=(vault, secret))
+        pulled.assert_ok("deploy.yml --tags image (pull with the vault password)")
+        assert password not in pulled.output
+        assert _docker("image", "inspect", "-f", "{{.Id}}", remote).strip() == image_id
+        assert _docker("images", "-q", f"{name}:{tag}") == ""  # nothing from docker.io
+        # The registry checked the login of Ansible's pull against its htpasswd.
+        assert any('msg="authorized request"' in line and "ansible-community.docker" in line
+                   for line in log.read_text().splitlines())
+    finally:
+        _docker("rmi", remote, check=False)
 
 
 def server_vars(image: str, tiny_models: Path, tmp: Path) -> dict:
