@@ -314,21 +314,27 @@ class DebianHost:
         return _docker("exec", self.name, "sh", "-c", script, check=check)
 
 
+def _debian_image() -> str:
+    """DEBIAN_TAG: Debian's minbase with python3, bootstrapped once into .cache, imported."""
+    if _docker("images", "-q", DEBIAN_TAG).strip() != "":
+        return DEBIAN_TAG
+    if not (DEBIAN_ROOTFS / ".complete").exists():
+        require(shutil.which("debootstrap") is not None, "debootstrap (make prereqs)")
+        subprocess.run(["debootstrap", "--variant=minbase", "--include=python3", "bookworm",
+                        str(DEBIAN_ROOTFS), "http://deb.debian.org/debian"], check=True,
+                       capture_output=True, timeout=1200)
+        (DEBIAN_ROOTFS / ".complete").touch()
+    tar = subprocess.Popen(["tar", "-C", str(DEBIAN_ROOTFS), "-c", "."], stdout=subprocess.PIPE)
+    subprocess.run(["docker", "import", "-", DEBIAN_TAG], stdin=tar.stdout, check=True,
+                   capture_output=True)
+    assert tar.wait() == 0
+    return DEBIAN_TAG
+
+
 @pytest.fixture(scope="module")
 def debian_host(docker_engine, tmp_path_factory) -> Iterator[DebianHost]:
-    """Debian's minbase root file system with python3 (bootstrapped once into .cache) as a
-    small image, run as a container with apt's lists fetched."""
-    if _docker("images", "-q", DEBIAN_TAG).strip() == "":
-        if not (DEBIAN_ROOTFS / ".complete").exists():
-            require(shutil.which("debootstrap") is not None, "debootstrap (make prereqs)")
-            subprocess.run(["debootstrap", "--variant=minbase", "--include=python3", "bookworm",
-                            str(DEBIAN_ROOTFS), "http://deb.debian.org/debian"], check=True,
-                           capture_output=True, timeout=1200)
-            (DEBIAN_ROOTFS / ".complete").touch()
-        tar = subprocess.Popen(["tar", "-C", str(DEBIAN_ROOTFS), "-c", "."], stdout=subprocess.PIPE)
-        subprocess.run(["docker", "import", "-", DEBIAN_TAG], stdin=tar.stdout, check=True,
-                       capture_output=True)
-        assert tar.wait() == 0
+    """The Debian image (_debian_image) run as a container with apt's lists fetched."""
+    _debian_image()
     name = f"hsdump-debian-{uuid.uuid4().hex[:8]}"
     # Host networking: the sandbox's engine has no NAT, and apt needs the Debian mirror.
     _docker("run", "-d", "--name", name, "--network", "host", DEBIAN_TAG, "sleep", "infinity")
@@ -556,6 +562,61 @@ def test_image_pulled_from_the_registry_with_the_vault_password(ansible, registr
                    for line in log.read_text().splitlines())
     finally:
         _docker("rmi", remote, check=False)
+
+
+# Stand-in for the image's `hsdump verify --work DIR ...`: records the environment and arguments
+# it got in DIR, then hangs, as a TP all-reduce over PCIe P2P hangs without NCCL_P2P_DISABLE.
+VERIFY_HANGS = """#!/bin/sh
+[ "$1" = verify ] && [ "$2" = --work ] || { echo "usage: hsdump verify --work DIR" >&2; exit 2; }
+env > "$3/env.txt"
+echo "$@" > "$3/args.txt"
+exec sleep infinity
+"""
+
+
+def test_verify_gets_the_server_env_and_its_container_is_removed_on_timeout(ansible, docker_engine,
+                                                                            tmp_path):
+    """verify.yml runs `hsdump verify` with hsdump_server_env; when its async limit fires, the
+    -verify container (not only the docker CLI) is gone before the server starts again."""
+    image = f"hsdump-ansible-verify:ci-{uuid.uuid4().hex[:8]}"
+    server = f"hsdump-ansible-verify-{uuid.uuid4().hex[:6]}"
+    stub = tmp_path / "hsdump"
+    stub.write_text(VERIFY_HANGS)
+    stub.chmod(0o755)
+    builder = _docker("create", _debian_image(), "true").strip()
+    _docker("cp", str(stub), f"{builder}:/usr/local/bin/hsdump")
+    _docker("commit", builder, image)
+    _docker("rm", builder)
+    # The running server it stops and starts again: a shell that exits on SIGTERM.
+    _docker("run", "-d", "--name", server, "--entrypoint", "sh", image, "-c",
+            "trap 'exit 0' TERM; while :; do sleep 1; done")
+    name, tag = image.rsplit(":", 1)
+    v = {"hsdump_image_name": name, "hsdump_image_tag": tag, "hsdump_container_name": server,
+         "hsdump_output_dir": str(tmp_path / "output"), "hsdump_verify_timeout_s": 20,
+         "hsdump_verify_fetch_dir": str(tmp_path / "reports"),
+         "hsdump_server_env": {"NCCL_P2P_DISABLE": "1"}}
+    since = _docker("info", "-f", "{{.SystemTime}}").strip()
+    try:
+        run = ansible.playbook("verify.yml", ONE_HOST, extra=v)
+        events = _docker("events", "--since", since, "--until", _docker(
+            "info", "-f", "{{.SystemTime}}").strip(), "--filter", "type=container",
+            "--format", "{{.Actor.Attributes.name}} {{.Action}}").splitlines()
+        verify_left = _docker("ps", "-aq", "--filter", f"name=^{server}-verify$").strip()
+        server_running = json.loads(_docker("inspect", server))[0]["State"]["Running"]
+    finally:
+        _docker("rm", "-f", f"{server}-verify", server, check=False)
+        _docker("rmi", image, check=False)
+    flat = " ".join(run.output.split())
+    assert run.rc != 0, flat[-3000:]
+    assert ("hsdump verify did not finish within hsdump_verify_timeout_s=20 s on cpu-host"
+            in flat), flat[-3000:]
+    env = (tmp_path / "output" / "verify" / "env.txt").read_text().splitlines()
+    assert "NCCL_P2P_DISABLE=1" in env, env
+    assert verify_left == "", "the -verify container outlived the play"
+    assert server_running
+    # Order: the server stopped, the verify container destroyed, then the server started.
+    seen = [e for e in events if e.split()[-1] in ("start", "destroy")]
+    assert seen[-2:] == [f"{server}-verify destroy", f"{server} start"], events
 
 
 def server_vars(image: str, tiny_models: Path, tmp: Path) -> dict:
