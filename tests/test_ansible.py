@@ -375,17 +375,53 @@ def test_docker_ce_is_kept_and_docker_io_refused(ansible, debian_host):
     assert again.recap()["debian-host"]["changed"] == 0, again.output[-3000:]
 
 
+# Stand-ins for NVIDIA's CUDA apt repository: a flat file: repository of small packages with
+# the real names (two builds of Fabric Manager and NSCQ: the driver's and a newer one apt would
+# prefer), and a cuda-keyring package that adds it, as the real one adds
+# developer.download.nvidia.com/compute/cuda/repos/<distro>/<arch>/ (sources.list.d).
+CUDA_STANDIN = r"""
+set -e
+ctl() {  # name version dir: the DEBIAN/control of a package
+  mkdir -p $3/DEBIAN && chmod -R 755 $3
+  printf 'Package: %s\nVersion: %s\nArchitecture: all\n' "$1" "$2" > $3/DEBIAN/control
+  printf 'Maintainer: hsdump tests\nDescription: stand-in\n' >> $3/DEBIAN/control
+}
+deb() {  # name version repo: a package of that name and version, empty
+  d=$(mktemp -d); ctl "$1" "$2" $d
+  dpkg-deb -b $d "$3/$1_$2_all.deb" >/dev/null; rm -rf $d
+}
+repo=/srv/cuda-standin; mkdir -p $repo
+for v in 580.95.05-1 580.105.08-1; do
+  deb nvidia-fabricmanager-580 $v $repo; deb libnvidia-nscq-580 $v $repo
+done
+deb nvlsm 2025.06.6-1 $repo; deb libnvsdm-580 580.95.05-1 $repo
+cd $repo && for f in *.deb; do
+  dpkg-deb -f $f; echo "Filename: ./$f"; echo "Size: $(stat -c %s $f)"
+  echo "SHA256: $(sha256sum $f | cut -d' ' -f1)"; echo
+done > Packages
+k=$(mktemp -d); ctl cuda-keyring 1.1-1 $k; mkdir -p $k/etc/apt/sources.list.d
+echo "deb [trusted=yes] file:$repo ./" > $k/etc/apt/sources.list.d/cuda-debian12-x86_64.list
+dpkg-deb -b $k /srv/cuda-keyring_1.1-1_all.deb >/dev/null
+"""
+FM_PACKAGES = ("nvidia-fabricmanager-580", "libnvidia-nscq-580", "nvlsm", "libnvsdm-580")
+
+
 def test_driver_role_installs_holds_and_gates_the_reboot(ansible, debian_host):
-    """hsdump_driver on Debian: --check is clean on the fresh host; a run that needs a reboot
-    fails with the versions and the flag; after the (simulated) reboot it converges and a
-    second run changes nothing. Stand-ins: small Debian packages for the NVIDIA ones (not in
-    Debian main), a `modinfo` that reports the installed module version, and a file for the
-    running module's version (/sys/module/nvidia/version in a container cannot be written)."""
+    """hsdump_driver on Debian: --check is clean on the fresh host; Fabric Manager's packages
+    come from NVIDIA's CUDA repository, which the role adds (cuda-keyring), Fabric Manager and
+    NSCQ at the installed driver's version although a newer build is there; a run that needs a
+    reboot fails with the versions and the flag; after the (simulated) reboot it converges and
+    a second run changes nothing. Stand-ins: small Debian packages for the NVIDIA ones (a
+    Debian package for the driver), a `modinfo` that reports the installed module version, and
+    a file for the running module's version (/sys/module/nvidia/version in a container cannot
+    be written)."""
     loaded = "/run/hsdump-test-nvidia-version"
     debian_host.sh("printf '#!/bin/sh\\necho 580.95.05\\n' > /usr/local/sbin/modinfo && "
                    f"chmod 755 /usr/local/sbin/modinfo && echo 575.57.08 > {loaded}")
+    debian_host.sh(CUDA_STANDIN)
     v = {"hsdump_driver_install": True, "hsdump_driver_fabricmanager": True,
-         "hsdump_driver_packages": ["hello"], "hsdump_driver_fabricmanager_packages": ["pciutils"],
+         "hsdump_driver_packages": ["hello"],
+         "hsdump_driver_cuda_keyring_url": "/srv/cuda-keyring_1.1-1_all.deb",
          "hsdump_driver_manage_services": False, "hsdump_driver_loaded_version_file": loaded}
     check = ansible.playbook(CASES / "driver.yml", debian_host.inventory, extra=v, check=True)
     check.assert_ok("driver.yml --check on a fresh host")
@@ -394,13 +430,24 @@ def test_driver_role_installs_holds_and_gates_the_reboot(ansible, debian_host):
     assert needs_reboot.rc != 0
     assert ("debian-host needs a reboot to load NVIDIA driver 580.95.05 (loaded: 575.57.08). "
             "Reboot it, or rerun with -e hsdump_driver_reboot=true") in flat, flat[-3000:]
-    held = debian_host.sh("dpkg --get-selections hello pciutils").split()
-    assert dict(zip(held[::2], held[1::2], strict=True)) == {"hello": "hold", "pciutils": "hold"}
+    versions = debian_host.sh("dpkg-query -W -f='${Package} ${Version}\\n' "
+                              + " ".join(FM_PACKAGES))
+    assert dict(line.split() for line in versions.splitlines()) == {
+        "nvidia-fabricmanager-580": "580.95.05-1", "libnvidia-nscq-580": "580.95.05-1",
+        "nvlsm": "2025.06.6-1", "libnvsdm-580": "580.95.05-1"}, versions
+    held = debian_host.sh("dpkg --get-selections hello " + " ".join(FM_PACKAGES)).split()
+    assert dict(zip(held[::2], held[1::2], strict=True)) == dict.fromkeys(
+        ("hello", *FM_PACKAGES), "hold")
     assert "--persistence-mode" in debian_host.sh(
         "cat /etc/systemd/system/nvidia-persistenced.service.d/override.conf")
     debian_host.sh(f"echo 580.95.05 > {loaded}")  # what the host runs after the reboot
+    # Meanwhile someone let apt take the newer (held) build: the next run puts it back.
+    debian_host.sh("apt-get install -qq -y --allow-change-held-packages --allow-downgrades "
+                   "nvidia-fabricmanager-580=580.105.08-1 >/dev/null")
     first = ansible.playbook(CASES / "driver.yml", debian_host.inventory, extra=v)
     first.assert_ok("driver.yml after the reboot")
+    assert debian_host.sh("dpkg-query -W -f='${Version}' nvidia-fabricmanager-580") \
+        == "580.95.05-1"
     second = ansible.playbook(CASES / "driver.yml", debian_host.inventory, extra=v)
     second.assert_ok("driver.yml, second run")
     assert second.recap()["debian-host"]["changed"] == 0, second.output[-3000:]
