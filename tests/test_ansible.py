@@ -423,6 +423,14 @@ def test_driver_role_installs_holds_and_gates_the_reboot(ansible, debian_host):
          "hsdump_driver_packages": ["hello"],
          "hsdump_driver_cuda_keyring_url": "/srv/cuda-keyring_1.1-1_all.deb",
          "hsdump_driver_manage_services": False, "hsdump_driver_loaded_version_file": loaded}
+    # A distribution NVIDIA's CUDA repository lacks stops the play before any install.
+    no_repo = ansible.playbook(CASES / "driver.yml", debian_host.inventory, extra={
+        **v, "hsdump_driver_cuda_repo_distros": ["ubuntu2204", "ubuntu2404"]})
+    flat = " ".join(no_repo.output.split())
+    assert no_repo.rc != 0 and "install the driver packages" not in flat, flat[-3000:]
+    assert ("needs nvlsm and libnvsdm from NVIDIA's CUDA repository, which has no debian12 "
+            "directory (only ubuntu2204, ubuntu2404)") in flat, flat[-3000:]
+    assert "set hsdump_driver_cuda_repo=false" in flat
     check = ansible.playbook(CASES / "driver.yml", debian_host.inventory, extra=v, check=True)
     check.assert_ok("driver.yml --check on a fresh host")
     needs_reboot = ansible.playbook(CASES / "driver.yml", debian_host.inventory, extra=v)
