@@ -73,14 +73,17 @@ class Ansible:
 
     def playbook(self, playbook: str | Path, inventory: Path, *, extra: dict | None = None,
                  check: bool = False, tags: str | None = None, path_prepend: Path | None = None,
-                 timeout: float = 1500) -> Run:
-        """Run ``ansible-playbook`` from ansible/ with the CPU-host vars plus ``extra``."""
+                 vault: tuple[Path, Path] | None = None, timeout: float = 1500) -> Run:
+        """Run ``ansible-playbook`` from ansible/ with the CPU-host vars plus ``extra``, and
+        ``vault`` = (encrypted vars file, its password file) when given."""
         cmd = [str(self.bin / "ansible-playbook"), "-i", str(inventory), str(playbook),
                "-e", f"@{CPU_VARS}"]
         if extra:
             var_file = self.tmp / f"vars-{uuid.uuid4().hex[:8]}.json"
             var_file.write_text(json.dumps(extra))
             cmd += ["-e", f"@{var_file}"]
+        if vault:
+            cmd += ["-e", f"@{vault[0]}", "--vault-password-file", str(vault[1])]
         if check:
             cmd.append("--check")
         if tags:
@@ -311,21 +314,27 @@ class DebianHost:
         return _docker("exec", self.name, "sh", "-c", script, check=check)
 
 
+def _debian_image() -> str:
+    """DEBIAN_TAG: Debian's minbase with python3, bootstrapped once into .cache, imported."""
+    if _docker("images", "-q", DEBIAN_TAG).strip() != "":
+        return DEBIAN_TAG
+    if not (DEBIAN_ROOTFS / ".complete").exists():
+        require(shutil.which("debootstrap") is not None, "debootstrap (make prereqs)")
+        subprocess.run(["debootstrap", "--variant=minbase", "--include=python3", "bookworm",
+                        str(DEBIAN_ROOTFS), "http://deb.debian.org/debian"], check=True,
+                       capture_output=True, timeout=1200)
+        (DEBIAN_ROOTFS / ".complete").touch()
+    tar = subprocess.Popen(["tar", "-C", str(DEBIAN_ROOTFS), "-c", "."], stdout=subprocess.PIPE)
+    subprocess.run(["docker", "import", "-", DEBIAN_TAG], stdin=tar.stdout, check=True,
+                   capture_output=True)
+    assert tar.wait() == 0
+    return DEBIAN_TAG
+
+
 @pytest.fixture(scope="module")
 def debian_host(docker_engine, tmp_path_factory) -> Iterator[DebianHost]:
-    """Debian's minbase root file system with python3 (bootstrapped once into .cache) as a
-    small image, run as a container with apt's lists fetched."""
-    if _docker("images", "-q", DEBIAN_TAG).strip() == "":
-        if not (DEBIAN_ROOTFS / ".complete").exists():
-            require(shutil.which("debootstrap") is not None, "debootstrap (make prereqs)")
-            subprocess.run(["debootstrap", "--variant=minbase", "--include=python3", "bookworm",
-                            str(DEBIAN_ROOTFS), "http://deb.debian.org/debian"], check=True,
-                           capture_output=True, timeout=1200)
-            (DEBIAN_ROOTFS / ".complete").touch()
-        tar = subprocess.Popen(["tar", "-C", str(DEBIAN_ROOTFS), "-c", "."], stdout=subprocess.PIPE)
-        subprocess.run(["docker", "import", "-", DEBIAN_TAG], stdin=tar.stdout, check=True,
-                       capture_output=True)
-        assert tar.wait() == 0
+    """The Debian image (_debian_image) run as a container with apt's lists fetched."""
+    _debian_image()
     name = f"hsdump-debian-{uuid.uuid4().hex[:8]}"
     # Host networking: the sandbox's engine has no NAT, and apt needs the Debian mirror.
     _docker("run", "-d", "--name", name, "--network", "host", DEBIAN_TAG, "sleep", "infinity")
@@ -366,18 +375,62 @@ def test_docker_ce_is_kept_and_docker_io_refused(ansible, debian_host):
     assert again.recap()["debian-host"]["changed"] == 0, again.output[-3000:]
 
 
+# Stand-ins for NVIDIA's CUDA apt repository: a flat file: repository of small packages with
+# the real names (two builds of Fabric Manager and NSCQ: the driver's and a newer one apt would
+# prefer), and a cuda-keyring package that adds it, as the real one adds
+# developer.download.nvidia.com/compute/cuda/repos/<distro>/<arch>/ (sources.list.d).
+CUDA_STANDIN = r"""
+set -e
+ctl() {  # name version dir: the DEBIAN/control of a package
+  mkdir -p $3/DEBIAN && chmod -R 755 $3
+  printf 'Package: %s\nVersion: %s\nArchitecture: all\n' "$1" "$2" > $3/DEBIAN/control
+  printf 'Maintainer: hsdump tests\nDescription: stand-in\n' >> $3/DEBIAN/control
+}
+deb() {  # name version repo: a package of that name and version, empty
+  d=$(mktemp -d); ctl "$1" "$2" $d
+  dpkg-deb -b $d "$3/$1_$2_all.deb" >/dev/null; rm -rf $d
+}
+repo=/srv/cuda-standin; mkdir -p $repo
+for v in 580.95.05-1 580.105.08-1; do
+  deb nvidia-fabricmanager-580 $v $repo; deb libnvidia-nscq-580 $v $repo
+done
+deb nvlsm 2025.06.6-1 $repo; deb libnvsdm-580 580.95.05-1 $repo
+cd $repo && for f in *.deb; do
+  dpkg-deb -f $f; echo "Filename: ./$f"; echo "Size: $(stat -c %s $f)"
+  echo "SHA256: $(sha256sum $f | cut -d' ' -f1)"; echo
+done > Packages
+k=$(mktemp -d); ctl cuda-keyring 1.1-1 $k; mkdir -p $k/etc/apt/sources.list.d
+echo "deb [trusted=yes] file:$repo ./" > $k/etc/apt/sources.list.d/cuda-debian12-x86_64.list
+dpkg-deb -b $k /srv/cuda-keyring_1.1-1_all.deb >/dev/null
+"""
+FM_PACKAGES = ("nvidia-fabricmanager-580", "libnvidia-nscq-580", "nvlsm", "libnvsdm-580")
+
+
 def test_driver_role_installs_holds_and_gates_the_reboot(ansible, debian_host):
-    """hsdump_driver on Debian: --check is clean on the fresh host; a run that needs a reboot
-    fails with the versions and the flag; after the (simulated) reboot it converges and a
-    second run changes nothing. Stand-ins: small Debian packages for the NVIDIA ones (not in
-    Debian main), a `modinfo` that reports the installed module version, and a file for the
-    running module's version (/sys/module/nvidia/version in a container cannot be written)."""
+    """hsdump_driver on Debian: --check is clean on the fresh host; Fabric Manager's packages
+    come from NVIDIA's CUDA repository, which the role adds (cuda-keyring), Fabric Manager and
+    NSCQ at the installed driver's version although a newer build is there; a run that needs a
+    reboot fails with the versions and the flag; after the (simulated) reboot it converges and
+    a second run changes nothing. Stand-ins: small Debian packages for the NVIDIA ones (a
+    Debian package for the driver), a `modinfo` that reports the installed module version, and
+    a file for the running module's version (/sys/module/nvidia/version in a container cannot
+    be written)."""
     loaded = "/run/hsdump-test-nvidia-version"
     debian_host.sh("printf '#!/bin/sh\\necho 580.95.05\\n' > /usr/local/sbin/modinfo && "
                    f"chmod 755 /usr/local/sbin/modinfo && echo 575.57.08 > {loaded}")
+    debian_host.sh(CUDA_STANDIN)
     v = {"hsdump_driver_install": True, "hsdump_driver_fabricmanager": True,
-         "hsdump_driver_packages": ["hello"], "hsdump_driver_fabricmanager_packages": ["pciutils"],
+         "hsdump_driver_packages": ["hello"],
+         "hsdump_driver_cuda_keyring_url": "/srv/cuda-keyring_1.1-1_all.deb",
          "hsdump_driver_manage_services": False, "hsdump_driver_loaded_version_file": loaded}
+    # A distribution NVIDIA's CUDA repository lacks stops the play before any install.
+    no_repo = ansible.playbook(CASES / "driver.yml", debian_host.inventory, extra={
+        **v, "hsdump_driver_cuda_repo_distros": ["ubuntu2204", "ubuntu2404"]})
+    flat = " ".join(no_repo.output.split())
+    assert no_repo.rc != 0 and "install the driver packages" not in flat, flat[-3000:]
+    assert ("needs nvlsm and libnvsdm from NVIDIA's CUDA repository, which has no debian12 "
+            "directory (only ubuntu2204, ubuntu2404)") in flat, flat[-3000:]
+    assert "set hsdump_driver_cuda_repo=false" in flat
     check = ansible.playbook(CASES / "driver.yml", debian_host.inventory, extra=v, check=True)
     check.assert_ok("driver.yml --check on a fresh host")
     needs_reboot = ansible.playbook(CASES / "driver.yml", debian_host.inventory, extra=v)
@@ -385,13 +438,24 @@ def test_driver_role_installs_holds_and_gates_the_reboot(ansible, debian_host):
     assert needs_reboot.rc != 0
     assert ("debian-host needs a reboot to load NVIDIA driver 580.95.05 (loaded: 575.57.08). "
             "Reboot it, or rerun with -e hsdump_driver_reboot=true") in flat, flat[-3000:]
-    held = debian_host.sh("dpkg --get-selections hello pciutils").split()
-    assert dict(zip(held[::2], held[1::2], strict=True)) == {"hello": "hold", "pciutils": "hold"}
+    versions = debian_host.sh("dpkg-query -W -f='${Package} ${Version}\\n' "
+                              + " ".join(FM_PACKAGES))
+    assert dict(line.split() for line in versions.splitlines()) == {
+        "nvidia-fabricmanager-580": "580.95.05-1", "libnvidia-nscq-580": "580.95.05-1",
+        "nvlsm": "2025.06.6-1", "libnvsdm-580": "580.95.05-1"}, versions
+    held = debian_host.sh("dpkg --get-selections hello " + " ".join(FM_PACKAGES)).split()
+    assert dict(zip(held[::2], held[1::2], strict=True)) == dict.fromkeys(
+        ("hello", *FM_PACKAGES), "hold")
     assert "--persistence-mode" in debian_host.sh(
         "cat /etc/systemd/system/nvidia-persistenced.service.d/override.conf")
     debian_host.sh(f"echo 580.95.05 > {loaded}")  # what the host runs after the reboot
+    # Meanwhile someone let apt take the newer (held) build: the next run puts it back.
+    debian_host.sh("apt-get install -qq -y --allow-change-held-packages --allow-downgrades "
+                   "nvidia-fabricmanager-580=580.105.08-1 >/dev/null")
     first = ansible.playbook(CASES / "driver.yml", debian_host.inventory, extra=v)
     first.assert_ok("driver.yml after the reboot")
+    assert debian_host.sh("dpkg-query -W -f='${Version}' nvidia-fabricmanager-580") \
+        == "580.95.05-1"
     second = ansible.playbook(CASES / "driver.yml", debian_host.inventory, extra=v)
     second.assert_ok("driver.yml, second run")
     assert second.recap()["debian-host"]["changed"] == 0, second.output[-3000:]
@@ -437,18 +501,22 @@ def _docker(*args: str, check: bool = True) -> str:
     return subprocess.run(["docker", *args], check=check, capture_output=True, text=True).stdout
 
 
+def _tiny_image(tmp_path: Path, ref: str) -> str:
+    """Import a one-file image as ``ref``; returns its id."""
+    content = tmp_path / "rootfs"
+    content.mkdir()
+    (content / "hello.txt").write_text("a tiny image for the image role's tests\n")
+    tar = subprocess.run(["tar", "-C", str(content), "-cf", "-", "."], check=True,
+                         capture_output=True).stdout
+    subprocess.run(["docker", "import", "-", ref], input=tar, check=True, capture_output=True)
+    return _docker("image", "inspect", "-f", "{{.Id}}", ref).strip()
+
+
 def test_image_loaded_from_a_tarball_and_verified(ansible, docker_engine, tmp_path):
     """The air-gapped path: `docker save` tarball on the controller, copied, loaded, id checked,
     staged copy removed; a second run fetches nothing; a wrong id fails with its message."""
     name, tag = "hsdump-ansible-tiny", f"ci-{uuid.uuid4().hex[:8]}"
-    content = tmp_path / "rootfs"
-    content.mkdir()
-    (content / "hello.txt").write_text("a tiny image for the tarball path\n")
-    tar = subprocess.run(["tar", "-C", str(content), "-cf", "-", "."], check=True,
-                         capture_output=True).stdout
-    subprocess.run(["docker", "import", "-", f"{name}:{tag}"], input=tar, check=True,
-                   capture_output=True)
-    image_id = _docker("image", "inspect", "-f", "{{.Id}}", f"{name}:{tag}").strip()
+    image_id = _tiny_image(tmp_path, f"{name}:{tag}")
     tarball = tmp_path / f"{name}-{tag}.tar"
     _docker("save", "-o", str(tarball), f"{name}:{tag}")
     _docker("rmi", f"{name}:{tag}")
@@ -470,6 +538,140 @@ def test_image_loaded_from_a_tarball_and_verified(ansible, docker_engine, tmp_pa
         assert f"has id {image_id}, expected hsdump_image_id=sha256:" in wrong.output
     finally:
         _docker("rmi", f"{name}:{tag}", check=False)
+
+
+@pytest.fixture
+def registry(docker_engine, tmp_path) -> Iterator[tuple[str, str, str, Path]]:
+    """Docker's own registry (Debian's docker-registry) on loopback with a bcrypt htpasswd
+    login: yields (host:port, user, password, its log). Docker trusts 127.0.0.0/8 over HTTP."""
+    require(shutil.which("docker-registry") and shutil.which("htpasswd"),
+            "docker-registry and htpasswd (make prereqs)")
+    user, password = "hsdump-ci", f"pw-{uuid.uuid4().hex}"
+    root = tmp_path / "registry"
+    root.mkdir()
+    (root / "htpasswd").write_text(subprocess.run(
+        ["htpasswd", "-Bbn", user, password], check=True, capture_output=True, text=True).stdout)
+    addr = f"127.0.0.1:{free_port()}"
+    (root / "config.yml").write_text(yaml.safe_dump({
+        "version": 0.1, "storage": {"filesystem": {"rootdirectory": str(root / "data")}},
+        "http": {"addr": addr},
+        "auth": {"htpasswd": {"realm": "hsdump-ci", "path": str(root / "htpasswd")}}}))
+    log = root / "registry.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(["docker-registry", "serve", str(root / "config.yml")],
+                                stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while True:  # 401 = up and asking for the login
+            try:
+                if requests.get(f"http://{addr}/v2/", timeout=2).status_code == 401:
+                    break
+            except requests.ConnectionError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.5)
+        yield addr, user, password, log
+    finally:
+        _docker("logout", addr, check=False)
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_image_pulled_from_the_registry_with_the_vault_password(ansible, registry, tmp_path):
+    """hsdump_image_source=pull: the pulled name carries hsdump_image_registry (not Docker
+    Hub's library/), and the login reads the inventory vault's registry password (never
+    printed); without that password the play stops before the login, naming the variable."""
+    addr, user, password, log = registry
+    name, tag = "hsdump-ansible-pull", f"ci-{uuid.uuid4().hex[:8]}"
+    remote = f"{addr}/{name}:{tag}"
+    image_id = _tiny_image(tmp_path, remote)
+    subprocess.run(["docker", "login", "-u", user, "--password-stdin", addr], input=password,
+                   check=True, capture_output=True, text=True)
+    _docker("push", remote)
+    _docker("logout", addr)
+    _docker("rmi", remote)
+    secret, vault = tmp_path / "vault-pass", tmp_path / "vault.yml"
+    secret.write_text(uuid.uuid4().hex)
+    vault.write_text(yaml.safe_dump({"vault_hsdump_image_registry_password": password}))
+    subprocess.run([str(ansible.bin / "ansible-vault"), "encrypt", "--vault-password-file",
+                    str(secret), str(vault)], check=True, capture_output=True)
+    assert password not in vault.read_text()
+    v = {"hsdump_image_name": name, "hsdump_image_tag": tag, "hsdump_image_id": image_id,
+         "hsdump_image_source": "pull", "hsdump_image_registry": addr,
+         "hsdump_image_registry_username": user, "hsdump_state_dir": str(tmp_path / "state")}
+    try:
+        no_vault = ansible.playbook("deploy.yml", ONE_HOST, extra=v, tags="image")
+        flat = " ".join(no_vault.output.split())
+        assert no_vault.rc != 0, flat[-3000:]
+        assert ("hsdump_image_registry_username is set for cpu-host, but the registry password "
+                "is empty: put vault_hsdump_image_registry_password in the inventory vault "
+                "file") in flat, flat[-3000:]
+        pulled = ansible.playbook("deploy.yml", ONE_HOST, extra=v, tags="image",
+                                  vault=(vault, secret))
+        pulled.assert_ok("deploy.yml --tags image (pull with the vault password)")
+        assert password not in pulled.output
+        assert _docker("image", "inspect", "-f", "{{.Id}}", remote).strip() == image_id
+        assert _docker("images", "-q", f"{name}:{tag}") == ""  # nothing from docker.io
+        # The registry checked the login of Ansible's pull against its htpasswd.
+        assert any('msg="authorized request"' in line and "ansible-community.docker" in line
+                   for line in log.read_text().splitlines())
+    finally:
+        _docker("rmi", remote, check=False)
+
+
+# Stand-in for the image's `hsdump verify --work DIR ...`: records the environment and arguments
+# it got in DIR, then hangs, as a TP all-reduce over PCIe P2P hangs without NCCL_P2P_DISABLE.
+VERIFY_HANGS = """#!/bin/sh
+[ "$1" = verify ] && [ "$2" = --work ] || { echo "usage: hsdump verify --work DIR" >&2; exit 2; }
+env > "$3/env.txt"
+echo "$@" > "$3/args.txt"
+exec sleep infinity
+"""
+
+
+def test_verify_gets_the_server_env_and_its_container_is_removed_on_timeout(ansible, docker_engine,
+                                                                            tmp_path):
+    """verify.yml runs `hsdump verify` with hsdump_server_env; when its async limit fires, the
+    -verify container (not only the docker CLI) is gone before the server starts again."""
+    image = f"hsdump-ansible-verify:ci-{uuid.uuid4().hex[:8]}"
+    server = f"hsdump-ansible-verify-{uuid.uuid4().hex[:6]}"
+    stub = tmp_path / "hsdump"
+    stub.write_text(VERIFY_HANGS)
+    stub.chmod(0o755)
+    builder = _docker("create", _debian_image(), "true").strip()
+    _docker("cp", str(stub), f"{builder}:/usr/local/bin/hsdump")
+    _docker("commit", builder, image)
+    _docker("rm", builder)
+    # The running server it stops and starts again: a shell that exits on SIGTERM.
+    _docker("run", "-d", "--name", server, "--entrypoint", "sh", image, "-c",
+            "trap 'exit 0' TERM; while :; do sleep 1; done")
+    name, tag = image.rsplit(":", 1)
+    v = {"hsdump_image_name": name, "hsdump_image_tag": tag, "hsdump_container_name": server,
+         "hsdump_output_dir": str(tmp_path / "output"), "hsdump_verify_timeout_s": 20,
+         "hsdump_verify_fetch_dir": str(tmp_path / "reports"),
+         "hsdump_server_env": {"NCCL_P2P_DISABLE": "1"}}
+    since = _docker("info", "-f", "{{.SystemTime}}").strip()
+    try:
+        run = ansible.playbook("verify.yml", ONE_HOST, extra=v)
+        events = _docker("events", "--since", since, "--until", _docker(
+            "info", "-f", "{{.SystemTime}}").strip(), "--filter", "type=container",
+            "--format", "{{.Actor.Attributes.name}} {{.Action}}").splitlines()
+        verify_left = _docker("ps", "-aq", "--filter", f"name=^{server}-verify$").strip()
+        server_running = json.loads(_docker("inspect", server))[0]["State"]["Running"]
+    finally:
+        _docker("rm", "-f", f"{server}-verify", server, check=False)
+        _docker("rmi", image, check=False)
+    flat = " ".join(run.output.split())
+    assert run.rc != 0, flat[-3000:]
+    assert ("hsdump verify did not finish within hsdump_verify_timeout_s=20 s on cpu-host"
+            in flat), flat[-3000:]
+    env = (tmp_path / "output" / "verify" / "env.txt").read_text().splitlines()
+    assert "NCCL_P2P_DISABLE=1" in env, env
+    assert verify_left == "", "the -verify container outlived the play"
+    assert server_running
+    # Order: the server stopped, the verify container destroyed, then the server started.
+    seen = [e for e in events if e.split()[-1] in ("start", "destroy")]
+    assert seen[-2:] == [f"{server}-verify destroy", f"{server} start"], events
 
 
 def server_vars(image: str, tiny_models: Path, tmp: Path) -> dict:
