@@ -38,8 +38,9 @@ prereqs: ## Install the system packages the tests need (scripts/prereqs.txt; roo
 test: prereqs $(STAMP) $(SPECFORGE_DIR) ## Run the whole test suite (real CPU SGLang servers; sets itself up)
 	HSDUMP_SPECFORGE_PATH=$(abspath $(SPECFORGE_DIR)) $(PY) -m pytest -ra $(PYTEST_ARGS)
 
-lint: $(STAMP) ## ruff over the package, tests and scripts
+lint: $(STAMP) ## ruff over the package, tests and scripts; the import contract (pyproject.toml)
 	$(VENV)/bin/ruff check hsdump_patch tests scripts
+	$(VENV)/bin/lint-imports
 
 .PHONY: help venv prereqs test lint
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import struct
 import urllib.parse
 from collections.abc import Iterable, Mapping
@@ -29,6 +30,18 @@ from pathlib import Path
 from typing import Any
 
 FORMAT_VERSION = 1
+
+# The environment contract: what switches the capture on and shapes it (docs/capture.md).
+ENV_DIR = "SGLANG_HS_DUMP_DIR"
+ENV_LAYERS = "SGLANG_HS_DUMP_LAYERS"
+ENV_DRAFT_CONFIG = "SGLANG_HS_DUMP_DRAFT_CONFIG"
+ENV_RID_PREFIX = "SGLANG_HS_DUMP_RID_PREFIX"
+ENV_FINAL = "SGLANG_HS_DUMP_FINAL"
+ENV_MAX_INFLIGHT = "SGLANG_HS_DUMP_MAX_INFLIGHT_BYTES"
+ENV_MIN_FREE = "SGLANG_HS_DUMP_MIN_FREE_BYTES"
+ENV_WRITER_THREADS = "SGLANG_HS_DUMP_WRITER_THREADS"
+DEFAULT_DUMP_DIR = "/dev/shm/sglang_hs"
+DEFAULT_RID_PREFIX = "hsdump-"
 
 SERVER_INFO = "server.json"
 DONE_MARKER = "done.json"
@@ -60,6 +73,33 @@ SAFETENSORS_DTYPES = {
     "float8_e5m2": "F8_E5M2",
 }
 ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+          "KI": 1 << 10, "MI": 1 << 20, "GI": 1 << 30, "TI": 1 << 40}
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the variable and the fix."""
+
+
+def parse_size(text: str, var: str) -> int:
+    """Parse ``4GiB``, ``512M``, ``1000000`` ... into bytes; ``var`` names the source."""
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise ConfigError(
+            f"{var}={text!r} is not a size: use a number of bytes with an optional unit, "
+            "e.g. 4GiB, 512MiB or 1000000"
+        )
+    unit = (m.group(2) or "").upper().rstrip("B")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def install_marker(dump_dir: str | os.PathLike[str], tp_rank: int, dp_rank: int = 0) -> Path:
+    """The file each rank of a node writes when its capture is installed (``--dp-size``
+    replicas on one node share the dump dir, so the name holds the DP rank too)."""
+    return Path(dump_dir) / f".hsdump-installed-dp{dp_rank}-tp{tp_rank}.json"
 
 
 class ProtocolError(RuntimeError):

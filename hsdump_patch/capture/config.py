@@ -13,40 +13,25 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-ENV_DIR = "SGLANG_HS_DUMP_DIR"
-ENV_LAYERS = "SGLANG_HS_DUMP_LAYERS"
-ENV_DRAFT_CONFIG = "SGLANG_HS_DUMP_DRAFT_CONFIG"
-ENV_RID_PREFIX = "SGLANG_HS_DUMP_RID_PREFIX"
-ENV_FINAL = "SGLANG_HS_DUMP_FINAL"
-ENV_MAX_INFLIGHT = "SGLANG_HS_DUMP_MAX_INFLIGHT_BYTES"
-ENV_MIN_FREE = "SGLANG_HS_DUMP_MIN_FREE_BYTES"
-ENV_WRITER_THREADS = "SGLANG_HS_DUMP_WRITER_THREADS"
+from hsdump_patch.protocol import (
+    DEFAULT_RID_PREFIX,
+    ENV_DIR,
+    ENV_DRAFT_CONFIG,
+    ENV_FINAL,
+    ENV_LAYERS,
+    ENV_MAX_INFLIGHT,
+    ENV_MIN_FREE,
+    ENV_RID_PREFIX,
+    ENV_WRITER_THREADS,
+    ConfigError,
+    parse_size,
+)
 
-DEFAULT_RID_PREFIX = "hsdump-"
 DEFAULT_MAX_INFLIGHT = 4 << 30
 DEFAULT_MIN_FREE = 1 << 30
 DEFAULT_WRITER_THREADS = 8
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
-          "KI": 1 << 10, "MI": 1 << 20, "GI": 1 << 30, "TI": 1 << 40}
 _RID_PREFIX_RE = re.compile(r"^[A-Za-z0-9._:-]+$")
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the variable and the fix."""
-
-
-def parse_size(text: str, var: str) -> int:
-    """Parse ``4GiB``, ``512M``, ``1000000`` ... into bytes; ``var`` names the source."""
-    m = _SIZE_RE.match(text)
-    if not m:
-        raise ConfigError(
-            f"{var}={text!r} is not a size: use a number of bytes with an optional unit, "
-            "e.g. 4GiB, 512MiB or 1000000"
-        )
-    unit = (m.group(2) or "").upper().rstrip("B")
-    return int(float(m.group(1)) * _UNITS[unit])
 
 
 def parse_layers(text: str) -> tuple[int, ...] | None:

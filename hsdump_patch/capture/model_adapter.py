@@ -18,6 +18,12 @@ from dataclasses import dataclass
 from torch import nn
 
 SUPPORTED_SGLANG_VERSIONS = ("0.5.23",)
+# The SGLang functions the plugin registers its hooks on (capture/plugin.py).
+HOOK_TARGETS = (
+    "sglang.srt.server_args.ServerArgs.resolve_once",
+    "sglang.srt.model_executor.model_runner.ModelRunner.init_cuda_graphs",
+    "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new",
+)
 
 # (module, causal-LM classes, decoder-layer class) the patch is written and tested against.
 SUPPORTED_MODELS: tuple[tuple[str, tuple[str, ...], str], ...] = (
@@ -136,8 +142,6 @@ def check_capture_points() -> list[str]:
         except (ImportError, AttributeError) as e:
             problems.append(f"{dotted} is missing ({type(e).__name__}: {e})")
             return None
-
-    from hsdump_patch.capture.plugin import HOOK_TARGETS
 
     for target in HOOK_TARGETS:
         owner, _, method = target.rpartition(".")

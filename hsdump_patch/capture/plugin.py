@@ -23,15 +23,11 @@ import logging
 import os
 from typing import Any
 
-from hsdump_patch.capture.config import ENV_DIR
+from hsdump_patch.capture.model_adapter import HOOK_TARGETS
+from hsdump_patch.protocol import ENV_DIR
 
 logger = logging.getLogger("hsdump")
 
-HOOK_TARGETS = (
-    "sglang.srt.server_args.ServerArgs.resolve_once",
-    "sglang.srt.model_executor.model_runner.ModelRunner.init_cuda_graphs",
-    "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new",
-)
 _PLACEHOLDER_MODELS = ("dummy", "none")
 _registered = False
 _session: Any = None  # the CaptureSession of this process's target model runner

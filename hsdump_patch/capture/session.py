@@ -546,7 +546,7 @@ def _rank_markers(dump_dir: Path, server_args: Any) -> tuple[Path, list[tuple[in
     node = tp_rank // per_node
 
     def marker(rank: int) -> Path:
-        return dump_dir / f".hsdump-installed-dp{dp_rank}-tp{rank}.json"
+        return protocol.install_marker(dump_dir, rank, dp_rank)
 
     peers = range(node * per_node, min(tp_size, (node + 1) * per_node))
     return marker(tp_rank), [(r, marker(r)) for r in peers]

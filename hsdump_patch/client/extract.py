@@ -28,7 +28,6 @@ import requests
 from tqdm import tqdm
 
 from hsdump_patch import protocol
-from hsdump_patch.capture.config import DEFAULT_RID_PREFIX, ENV_DIR, ConfigError, parse_size
 from hsdump_patch.client import assemble, buffers, records
 from hsdump_patch.client.conversation import (
     POLICIES,
@@ -48,9 +47,15 @@ from hsdump_patch.client.manifest import Manifest, load_done, remove_stale_temps
 from hsdump_patch.client.mask import LOSS_MASKS, apply_convention
 from hsdump_patch.client.report import ErrorPolicy, Report, print_summary
 from hsdump_patch.client.served import ServedPrompts, ServerDown, follow_chat_template
+from hsdump_patch.protocol import (
+    DEFAULT_DUMP_DIR,
+    DEFAULT_RID_PREFIX,
+    ENV_DIR,
+    ConfigError,
+    parse_size,
+)
 
 DEFAULT_SERVER = "http://127.0.0.1:30000"
-DEFAULT_DUMP_DIR = "/dev/shm/sglang_hs"
 DEFAULT_CONCURRENCY = 16
 DEFAULT_REQUEST_TIMEOUT = 3600.0
 DEFAULT_DUMP_TIMEOUT = 300.0

@@ -18,8 +18,8 @@ from typing import Any
 
 from hsdump_patch.capture import guards
 from hsdump_patch.ops import blackwell
+from hsdump_patch.protocol import DEFAULT_DUMP_DIR, ENV_DIR
 
-DEFAULT_DUMP_DIR = "/dev/shm/sglang_hs"
 # Eager prefill (the capture hooks never run in a graph replay) and no prefix cache. The
 # per-phase spelling: --disable-cuda-graph is deprecated in 0.5.23 and loses to these flags.
 REQUIRED_ARGS = (*guards.DISABLE_GRAPHS_FLAGS.split(), "--disable-radix-cache")
@@ -118,7 +118,7 @@ def plan(args: argparse.Namespace, capability: tuple[int, int] | None) -> Launch
     if problems:
         raise ServeError("hsdump serve: these server arguments cannot be used for extraction:\n"
                          + "\n".join(f"  - {p}" for p in problems))
-    env = dict(os.environ, SGLANG_HS_DUMP_DIR=args.dump_dir)
+    env = {**os.environ, ENV_DIR: args.dump_dir}
     argv = [sys.executable, "-m", "sglang.launch_server", *server_args]
     return Launch(argv, env, profile, applied, overridden)
 
@@ -126,7 +126,7 @@ def plan(args: argparse.Namespace, capability: tuple[int, int] | None) -> Launch
 def _summary(launch: Launch, capability: tuple[int, int] | None) -> str:
     cap = "none" if capability is None else f"sm_{capability[0]}{capability[1]}"
     rows = [("GPU compute capability", cap), ("profile", launch.profile),
-            ("dump dir (SGLANG_HS_DUMP_DIR)", launch.env["SGLANG_HS_DUMP_DIR"])]
+            (f"dump dir ({ENV_DIR})", launch.env[ENV_DIR])]
     rows += [(" ".join(s.args), "applied") for s in launch.applied]
     rows += [(" ".join(s.args), "overridden by your arguments") for s in launch.overridden]
     width = max(len(k) for k, _ in rows)
@@ -168,8 +168,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=int(env("HSDUMP_PORT", "30000")),
                    help="HTTP port (default: $HSDUMP_PORT or 30000; the image's health check "
                         "reads $HSDUMP_PORT)")
-    p.add_argument("--dump-dir", default=env("SGLANG_HS_DUMP_DIR", DEFAULT_DUMP_DIR),
-                   help=f"absolute dump directory (default: $SGLANG_HS_DUMP_DIR or "
+    p.add_argument("--dump-dir", default=env(ENV_DIR, DEFAULT_DUMP_DIR),
+                   help=f"absolute dump directory (default: ${ENV_DIR} or "
                         f"{DEFAULT_DUMP_DIR})")
     p.add_argument("--profile", choices=blackwell.PROFILES, default="auto",
                    help="GPU profile: auto detects the compute capability (sm_120 -> sm120, "

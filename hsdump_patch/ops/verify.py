@@ -41,12 +41,12 @@ from typing import Any
 import torch
 
 from hsdump_patch import protocol
-from hsdump_patch.capture.config import ENV_DIR
 from hsdump_patch.client.assemble import read_request, wait_for_marker
 from hsdump_patch.client.records import RecordBuilder
 from hsdump_patch.client.report import format_table
 from hsdump_patch.ops import serve, verify_checks, verify_model
 from hsdump_patch.ops.verify_server import AUX_ARGS, CPU_SERVER_ARGS, VerifyServer, run_refused
+from hsdump_patch.protocol import ENV_DIR
 
 RID = "hsdump-verify-"
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
@@ -291,9 +291,9 @@ def check_ranks(server: VerifyServer) -> Verdict:
     if pids and info.pid != pids.get(0):
         problems.append(f"server.json was written by pid {info.pid}, not TP rank 0 "
                         f"({pids.get(0)})")
-    markers = {}  # the install marker each rank writes: .hsdump-installed-dp0-tp<rank>.json
+    markers = {}  # the install marker each rank writes
     for rank in range(server.tp):
-        path = server.dump_dir / f".hsdump-installed-dp0-tp{rank}.json"
+        path = protocol.install_marker(server.dump_dir, rank)
         try:
             markers[rank] = json.loads(path.read_text())
         except (OSError, ValueError):

@@ -19,8 +19,8 @@ from typing import Any
 
 import requests
 
-from hsdump_patch.capture.config import ENV_DIR
 from hsdump_patch.ops import serve
+from hsdump_patch.protocol import ENV_DIR
 
 # What the CPU variant adds to the production profile: SGLang's CPU engine, a KV pool sized
 # for a small machine (the default takes 15 GB), and idle schedulers that do not busy-poll.
