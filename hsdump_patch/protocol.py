@@ -314,30 +314,66 @@ def read_server_info(dump_dir: str | os.PathLike[str]) -> ServerInfo:
 
 
 @dataclass(frozen=True)
+class DoneMarker:
+    """``done.json``: every token of the prompt is in the request's chunks."""
+
+    rid: str
+    prompt_len: int
+    tokens: int
+    chunks: list[int]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rid": self.rid, "prompt_len": self.prompt_len, "tokens": self.tokens,
+                "chunks": list(self.chunks)}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> DoneMarker:
+        return cls(str(d["rid"]), int(d["prompt_len"]), int(d["tokens"]),
+                   [int(c) for c in d["chunks"]])
+
+
+@dataclass(frozen=True)
+class ErrorMarker:
+    """``error.json``: the request cannot be dumped; ``chunks`` were written before."""
+
+    rid: str
+    reason: str
+    chunks: list[int]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rid": self.rid, "reason": self.reason, "chunks": list(self.chunks)}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> ErrorMarker:
+        return cls(str(d["rid"]), str(d["reason"]), [int(c) for c in d["chunks"]])
+
+
+@dataclass(frozen=True)
 class RequestStatus:
     """What the markers of one request directory say."""
 
-    done: dict[str, Any] | None
-    error: dict[str, Any] | None
+    done: DoneMarker | None
+    error: ErrorMarker | None
 
     @property
     def finished(self) -> bool:
         return self.done is not None or self.error is not None
 
 
-def _read_json_or_none(path: Path) -> dict[str, Any] | None:
+def _read_marker(path: Path, kind: type[DoneMarker] | type[ErrorMarker]) -> Any:
     try:
-        return json.loads(path.read_text())
+        return kind.from_json(json.loads(path.read_text()))
     except FileNotFoundError:
         return None
+    except (ValueError, TypeError, KeyError) as e:
+        raise ProtocolError(f"{path} is malformed: {e!r}") from e
 
 
 def request_status(dump_dir: str | os.PathLike[str], rid: str) -> RequestStatus:
     """Return the done/error markers of a request (None where absent)."""
     d = rid_dir(dump_dir, rid)
-    return RequestStatus(
-        done=_read_json_or_none(d / DONE_MARKER), error=_read_json_or_none(d / ERROR_MARKER)
-    )
+    return RequestStatus(done=_read_marker(d / DONE_MARKER, DoneMarker),
+                         error=_read_marker(d / ERROR_MARKER, ErrorMarker))
 
 
 def list_chunks(dump_dir: str | os.PathLike[str], rid: str) -> list[tuple[int, Path]]:

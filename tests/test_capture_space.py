@@ -54,8 +54,8 @@ def test_full_dump_dir_gives_error_markers_and_the_server_keeps_serving(small_fs
         status = wait_finished(s.dump_dir, rid)
         outcomes.append("done" if status.done else "error")
         if status.error:
-            assert "not enough free space" in status.error["reason"]
-            assert "SGLANG_HS_DUMP_MIN_FREE_BYTES" in status.error["reason"]
+            assert "not enough free space" in status.error.reason
+            assert "SGLANG_HS_DUMP_MIN_FREE_BYTES" in status.error.reason
             assert protocol.list_chunks(s.dump_dir, rid) == []
         # The reserve is only eaten into by the markers: a directory and a small file per
         # failed request, one tmpfs page (4 KiB) each.
@@ -73,4 +73,4 @@ def test_full_dump_dir_gives_error_markers_and_the_server_keeps_serving(small_fs
     failed = f"hsdump-space-{outcomes.index('error')}"
     s.server.generate(ids, rid=failed)
     status = wait_finished(s.dump_dir, failed, timeout=30)
-    assert status.error is None and status.done["prompt_len"] == len(ids)
+    assert status.error is None and status.done.prompt_len == len(ids)

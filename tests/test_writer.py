@@ -63,7 +63,7 @@ def _temp_files(root: Path) -> list[Path]:
     return [p for p in root.rglob(".*")]
 
 
-def _error(dump_dir: Path, rid: str) -> dict:
+def _error(dump_dir: Path, rid: str) -> protocol.ErrorMarker:
     status = protocol.request_status(dump_dir, rid)
     assert status.done is None and status.error is not None
     return status.error
@@ -86,8 +86,8 @@ def test_submit_forward_writes_each_requests_rows_and_fails_a_bad_range(dump_dir
         loaded = load_file(protocol.list_chunks(dump_dir, rid)[0][1])
         for key, want in ref:
             assert torch.equal(loaded[key], want), (rid, key)
-        assert protocol.request_status(dump_dir, rid).done["tokens"] == len(ref[1][1])
-    assert "outside a tensor of 300" in _error(dump_dir, "hsdump-bad")["reason"]
+        assert protocol.request_status(dump_dir, rid).done.tokens == len(ref[1][1])
+    assert "outside a tensor of 300" in _error(dump_dir, "hsdump-bad").reason
     w.close()
 
 
@@ -129,10 +129,10 @@ def test_chunks_are_safetensors_with_exact_bytes_and_private_modes(dump_dir: Pat
             meta = protocol.ChunkMeta.from_strings(f.metadata())
         assert meta == _meta("hsdump-r1", prefix_len)
     done = protocol.request_status(dump_dir, "hsdump-r1").done
-    assert done == {"rid": "hsdump-r1", "prompt_len": 347, "tokens": 347, "chunks": [0, 40, 340]}
+    assert done == protocol.DoneMarker("hsdump-r1", 347, 347, [0, 40, 340])
     assert stat.S_IMODE((d / protocol.DONE_MARKER).stat().st_mode) == 0o600
     protocol.check_coverage(((p, len(load_file(f)[protocol.INPUT_IDS_KEY])) for p, f in chunks),
-                            done["prompt_len"])
+                            done.prompt_len)
     assert _temp_files(dump_dir) == []
     w.close()
     assert w.stats.chunks_written == 3 and w.stats.requests_done == 1
@@ -182,8 +182,8 @@ def test_done_marker_only_after_every_chunk(dump_dir: Path) -> None:
     assert seen_bad == []
     for r in range(12):
         done = protocol.request_status(dump_dir, f"hsdump-m{r}").done
-        assert done is not None and done["chunks"] == [0, 2000, 2990] and done["tokens"] == 3000
-    assert protocol.request_status(dump_dir, "hsdump-a").done["chunks"] == [0, 30, 60]
+        assert done is not None and done.chunks == [0, 2000, 2990] and done.tokens == 3000
+    assert protocol.request_status(dump_dir, "hsdump-a").done.chunks == [0, 30, 60]
     assert w.stats.requests_done == 13 and w.stats.chunks_written == 39
     assert _temp_files(dump_dir) == []
 
@@ -257,8 +257,8 @@ def test_free_space_guard_writes_an_error_marker_and_no_chunk(dump_dir: Path) ->
     assert w.flush(timeout=30)
     w.close()
     err = _error(dump_dir, "hsdump-full")
-    assert "not enough free space" in err["reason"]
-    assert "SGLANG_HS_DUMP_MIN_FREE_BYTES" in err["reason"]
+    assert "not enough free space" in err.reason
+    assert "SGLANG_HS_DUMP_MIN_FREE_BYTES" in err.reason
     assert protocol.list_chunks(dump_dir, "hsdump-full") == []
     assert _temp_files(dump_dir) == []
     assert w.stats.requests_failed == 1 and w.stats.chunks_written == 0
@@ -284,9 +284,9 @@ def test_write_failure_gives_an_error_marker_and_never_raises(dump_dir: Path) ->
 
     err = _error(dump_dir, "hsdump-w1")
     # Chunk 32 is written or dropped, depending on whether chunk 0 had failed when it came.
-    assert "writing chunk 0 failed" in err["reason"] and err["chunks"][0] == 0
+    assert "writing chunk 0 failed" in err.reason and err.chunks[0] == 0
     assert not (d / protocol.chunk_filename(0)).is_file()
-    assert "not supported" in _error(dump_dir, "hsdump-w3")["reason"]
+    assert "not supported" in _error(dump_dir, "hsdump-w3").reason
     assert protocol.rid_dir(dump_dir, "hsdump-w2").read_text() == "in the way"
     assert protocol.request_status(dump_dir, "hsdump-ok").done is not None
     assert w.stats.chunks_failed == 2  # w1's first chunk and w2's chunk
@@ -303,11 +303,11 @@ def test_fail_request_and_submit_after_close(dump_dir: Path) -> None:
     w.submit(_meta("hsdump-f", 8), _tensors(batch, 8, 16), prompt_len=16)  # dropped
     assert w.flush(timeout=30)
     err = _error(dump_dir, "hsdump-f")
-    assert err["reason"] == "aborted by the client" and err["chunks"] == [0]
+    assert err.reason == "aborted by the client" and err.chunks == [0]
     assert [p for p, _ in protocol.list_chunks(dump_dir, "hsdump-f")] == [0]
     w.close()
     w.submit(_meta("hsdump-late", 0), _tensors(batch, 0, 16), prompt_len=16)
-    assert "shut down" in _error(dump_dir, "hsdump-late")["reason"]
+    assert "shut down" in _error(dump_dir, "hsdump-late").reason
     assert w.stats.requests_failed == 2
 
 
@@ -321,7 +321,7 @@ def test_resent_rid_after_a_failure_gets_a_fresh_done_marker(dump_dir: Path) -> 
     w.submit(_meta("hsdump-retry", 0), _tensors(batch, 0, 32), prompt_len=None)
     w.submit(_meta("hsdump-retry", 32), _tensors(batch, 32, 64), prompt_len=64)
     assert w.flush(timeout=30)
-    assert "writing chunk 0 failed" in _error(dump_dir, "hsdump-retry")["reason"]
+    assert "writing chunk 0 failed" in _error(dump_dir, "hsdump-retry").reason
 
     shutil.rmtree(d)  # what the client does before re-sending
     w.begin_request("hsdump-retry")
@@ -331,8 +331,10 @@ def test_resent_rid_after_a_failure_gets_a_fresh_done_marker(dump_dir: Path) -> 
     w.close()
     status = protocol.request_status(dump_dir, "hsdump-retry")
     assert status.error is None
-    assert status.done == {"rid": "hsdump-retry", "prompt_len": 64, "tokens": 64,
-                           "chunks": [0, 40]}
+    assert status.done == protocol.DoneMarker("hsdump-retry", 64, 64, [0, 40])
+    done_json = protocol.rid_dir(dump_dir, "hsdump-retry") / protocol.DONE_MARKER
+    assert json.loads(done_json.read_text()) == {"rid": "hsdump-retry", "prompt_len": 64,
+                                                 "tokens": 64, "chunks": [0, 40]}
 
 
 def test_aborted_attempt_leaves_no_stale_counts(dump_dir: Path) -> None:
@@ -346,7 +348,7 @@ def test_aborted_attempt_leaves_no_stale_counts(dump_dir: Path) -> None:
     assert w.flush(timeout=30)
     w.close()
     done = protocol.request_status(dump_dir, "hsdump-abort").done
-    assert done == {"rid": "hsdump-abort", "prompt_len": 64, "tokens": 64, "chunks": [0, 30]}
+    assert done == protocol.DoneMarker("hsdump-abort", 64, 64, [0, 30])
     for prefix_len, path in protocol.list_chunks(dump_dir, "hsdump-abort"):
         n = {0: 30, 30: 34}[prefix_len]  # the new attempt's chunk 0 replaced the old one
         assert torch.equal(load_file(path)[protocol.HIDDEN_KEY],
@@ -413,6 +415,6 @@ def test_a_failed_copy_gives_its_staging_pages_back(dump_dir: Path) -> None:
     assert w.flush(timeout=30)
     w.close()
     for n in range(8):
-        assert "cannot copy the chunk" in _error(dump_dir, f"hsdump-bad{n}")["reason"]
+        assert "cannot copy the chunk" in _error(dump_dir, f"hsdump-bad{n}").reason
     assert protocol.request_status(dump_dir, "hsdump-good").done is not None
     assert w.stats.internal_errors == 8 and _temp_files(dump_dir) == []

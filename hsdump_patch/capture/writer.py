@@ -566,15 +566,15 @@ class DumpWriter:
             if state.error is not None:
                 # The state stays (LRU-bounded), so that a late chunk of the rid is dropped.
                 state.marker_written = True
-                payload = {"rid": rid, "reason": state.error, "chunks": sorted(state.chunks)}
+                payload = protocol.ErrorMarker(rid, state.error, sorted(state.chunks)).to_json()
                 self.stats.requests_failed += 1
                 marker = protocol.ERROR_MARKER
             elif complete:
                 state.marker_written = True
                 if self._rids.get(rid) is state:
                     del self._rids[rid]
-                payload = {"rid": rid, "prompt_len": state.prompt_len, "tokens": state.tokens,
-                           "chunks": sorted(state.chunks)}
+                payload = protocol.DoneMarker(rid, state.prompt_len, state.tokens,
+                                              sorted(state.chunks)).to_json()
                 self.stats.requests_done += 1
                 marker = protocol.DONE_MARKER
             else:

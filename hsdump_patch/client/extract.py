@@ -336,9 +336,9 @@ class Extraction:
                     f"{self.s.dump_timeout:.0f}s (--dump-timeout): is the capture patch of the "
                     f"server at {self.client.url} writing to --dump-dir {dump}?")
             elif status.error is not None:
-                problem = f"the server could not dump it: {status.error.get('reason')}"
-            elif status.done.get("prompt_len") != len(sample.input_ids):
-                problem = (f"done.json says prompt_len={status.done.get('prompt_len')}, "
+                problem = f"the server could not dump it: {status.error.reason}"
+            elif status.done.prompt_len != len(sample.input_ids):
+                problem = (f"done.json says prompt_len={status.done.prompt_len}, "
                            f"{len(sample.input_ids)} tokens were sent")
         else:
             self._clear_stale(rid)

@@ -45,7 +45,7 @@ def read_dump(dump_dir: Path, rid: str) -> Dump:
         assert int(meta["prefix_len"]) == prefix_len
         metas.append(meta)
         sizes.append((prefix_len, parts[-1][protocol.HIDDEN_KEY].shape[0]))
-    protocol.check_coverage(sizes, status.done["prompt_len"])
+    protocol.check_coverage(sizes, status.done.prompt_len)
     return Dump(
         hidden=torch.cat([p[protocol.HIDDEN_KEY] for p in parts]),
         input_ids=torch.cat([p[protocol.INPUT_IDS_KEY] for p in parts]).tolist(),
