@@ -18,6 +18,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -295,4 +296,38 @@ def test_layers_other_than_the_trainers_are_refused_naming_both(
                                                    capture=_capture(layers=(2, 3, 5)))
     assert isinstance(fail, ServerCaptureFailure) and not fail.retryable
     assert "(1, 3, 5) != requested (2, 3, 5)" in fail.reason, fail.reason
+    assert _rid_dirs(dump_dir) == []
+
+
+def test_concurrent_requests_each_read_back_their_own_features(
+        store, sink, dump_dir: Path, engine: DumpEngine) -> None:
+    """Four producer threads posting at once through one bridge (one Mooncake client): every
+    ref reads back its own prompt's features."""
+    bridge = Bridge(dump_dir, sink, engine)
+    batches = [_tasks([11 + 3 * b, 20, 33 - b], first=100 + 10 * b) for b in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(
+            lambda tasks: _adapter(store, bridge).produce_refs(tasks, capture=_capture()),
+            batches))
+    for tasks, refs in zip(batches, results, strict=True):
+        for task, ref in zip(tasks, refs, strict=True):
+            _assert_readable(store, engine, task, ref)
+    assert _rid_dirs(dump_dir) == []
+
+
+def test_a_first_attempt_never_overwrites_existing_keys(
+        store, sink, dump_dir: Path, engine: DumpEngine) -> None:
+    """A request that does not replace, for a sample whose keys exist (a second writer), fails
+    that task naming the keys and leaves the existing values readable."""
+    from specforge.inference.adapters.server_capture import ServerCaptureFailure
+
+    bridge = Bridge(dump_dir, sink, engine)
+    tasks = _tasks([14], first=40)
+    (ref,) = _adapter(store, bridge).produce_refs(tasks, capture=_capture())
+    kept = engine.written.copy()
+    engine.seed = 2
+    (fail,) = _adapter(store, bridge).produce_refs(tasks, capture=_capture())
+    assert isinstance(fail, ServerCaptureFailure) and "exist" in fail.reason, fail
+    engine.written = kept
+    _assert_readable(store, engine, tasks[0], ref)
     assert _rid_dirs(dump_dir) == []
