@@ -15,6 +15,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -27,7 +28,7 @@ import torch
 
 from hsdump_patch import protocol
 from hsdump_patch.capture.writer import DumpWriter
-from hsdump_patch.client.bridge import Bridge, MooncakeSink, server_layers_for
+from hsdump_patch.client.bridge import Bridge, MooncakeSink, make_server, server_layers_for
 from tests.conftest import require, specforge_on_path
 
 HIDDEN = 16
@@ -113,6 +114,7 @@ class DumpEngine:
     def __init__(self, dump_dir: Path, info: protocol.ServerInfo) -> None:
         self.dump_dir, self.info, self.seed = dump_dir, info, 0
         self.fail: set[int] = set()  # prompt indexes whose dump fails
+        self.cached = 0  # the cached_tokens the rows report
         self.written: dict[tuple[int, ...], torch.Tensor] = {}  # prompt -> [L, S, H]
         self.writer = DumpWriter(dump_dir, max_inflight_bytes=1 << 20, min_free_bytes=0,
                                  threads=2, device=torch.device("cpu"))
@@ -138,7 +140,8 @@ class DumpEngine:
                                           (protocol.POSITIONS_KEY, torch.arange(a, b))],
                                    prompt_len=len(ids) if b == len(ids) else None)
         assert self.writer.flush(timeout=30)
-        return [{"text": "", "meta_info": {"id": rid, "prompt_tokens": len(ids)}}
+        return [{"text": "", "meta_info": {"id": rid, "prompt_tokens": len(ids),
+                                           "cached_tokens": self.cached}}
                 for ids, rid in zip(input_ids, rids, strict=True)]
 
 
@@ -164,7 +167,7 @@ def engine(dump_dir: Path) -> Iterator[DumpEngine]:
     e.writer.close()
 
 
-def _adapter(store, bridge: Bridge, lose_response: bool = False):
+def _adapter(store, bridge: Bridge | None, lose_response: bool = False, url: str = ""):
     """SpecForge's own adapter for eagle3's server-streaming layout, posting to ``bridge``."""
     from specforge.inference.adapters.server_capture import (
         ServerCaptureSchema,
@@ -183,8 +186,10 @@ def _adapter(store, bridge: Bridge, lose_response: bool = False):
                                  passthrough=(("input_ids", "input_ids", ()),
                                               ("loss_mask", "loss_mask", ())),
                                  attention_mask_feature="attention_mask")
-    return SGLangServerCaptureAdapter("http://bridge", store, run_id="run", algorithm="eagle3",
-                                      schema=schema, post_fn=post)
+    # Without a bridge object: SpecForge's own HTTP client (requests) to the bridge at ``url``.
+    return SGLangServerCaptureAdapter(url or "http://bridge", store, run_id="run",
+                                      algorithm="eagle3", schema=schema,
+                                      post_fn=post if bridge is not None else None)
 
 
 def _capture(layers=SPECFORGE_LAYERS, hidden: int = HIDDEN):
@@ -330,4 +335,45 @@ def test_a_first_attempt_never_overwrites_existing_keys(
     assert isinstance(fail, ServerCaptureFailure) and "exist" in fail.reason, fail
     engine.written = kept
     _assert_readable(store, engine, tasks[0], ref)
+    assert _rid_dirs(dump_dir) == []
+
+
+def test_over_http_with_specforges_own_client(store, sink, dump_dir: Path,
+                                              engine: DumpEngine) -> None:
+    """The bridge's HTTP server and SpecForge's own HTTP post: the JSON on the wire builds the
+    same readable refs; a body that is no spec_capture request is refused naming why."""
+    import requests
+
+    server = make_server(Bridge(dump_dir, sink, engine), "127.0.0.1", 0)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        tasks = _tasks([8, 27], first=50)
+        refs = _adapter(store, None, url=url).produce_refs(tasks, capture=_capture())
+        for task, ref in zip(tasks, refs, strict=True):
+            _assert_readable(store, engine, task, ref)
+        r = requests.post(f"{url}/generate", json={"input_ids": [1, 2]}, timeout=30)
+        assert r.status_code == 404 and "spec_capture" in r.json()["error"]
+        r = requests.post(f"{url}/generate", json={"input_ids": [[1, 2]], "spec_capture": [
+            {"store_id": "s", "sample_id": "x", "gen": 1, "features": {"logits": "t"}}]},
+            timeout=30)
+        assert r.status_code == 400 and "['logits']" in r.json()["error"], r.text
+    finally:
+        server.shutdown()
+        thread.join()
+    assert _rid_dirs(dump_dir) == []
+
+
+def test_a_prompt_served_from_cache_fails_naming_the_radix_cache(
+        store, sink, dump_dir: Path, engine: DumpEngine) -> None:
+    """A row whose prompt tokens came from the radix cache (no hidden states for them) is
+    refused before any key is written."""
+    from specforge.inference.adapters.server_capture import ServerCaptureFailure
+
+    engine.cached = 4
+    (fail,) = _adapter(store, Bridge(dump_dir, sink, engine)).produce_refs(
+        _tasks([10], first=60), capture=_capture())
+    assert isinstance(fail, ServerCaptureFailure) and "radix" in fail.reason, fail
+    assert sink.store.is_exist(f"{store.store_id}/run:task60/g1/target") == 0
     assert _rid_dirs(dump_dir) == []

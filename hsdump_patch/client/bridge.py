@@ -17,23 +17,33 @@ the file protocol only, never on SGLang.
 
 from __future__ import annotations
 
+import json
 import math
 import threading
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import requests
 import torch
 
 from hsdump_patch import protocol
-from hsdump_patch.client.assemble import read_request, remove_request, wait_for_marker
+from hsdump_patch.client.assemble import (
+    read_request,
+    remove_request,
+    wait_for_marker,
+    wait_until_settled,
+)
+from hsdump_patch.client.extract import check_meta
 from hsdump_patch.client.records import RecordBuilder, torch_dtype
 
 # The server's generic artifacts (SpecForge's ServerCaptureSchema aux / last_hidden_feature).
 ARTIFACTS = ("aux", "last_hidden")
 PASSTHROUGH_DTYPES = {"int64": torch.int64, "int32": torch.int32}
+SETTLE_QUIET_S = 1.0  # a failed row's dump directory is final after this long unchanged
 MOONCAKE_NOT_FOUND = -704  # Mooncake's OBJECT_NOT_FOUND, what remove() of an absent key returns
 
 # ``engine(input_ids, rids, extra_key) -> rows``: runs the prefills, one /generate row per prompt.
@@ -280,13 +290,20 @@ class Bridge:
                                    "prompts")
             for task, rid, prompt, row in zip(tasks, rids, ids, rows, strict=True):
                 meta = row.setdefault("meta_info", {})
-                meta["spec_capture"] = self._capture_one(task, rid, prompt)
+                meta["spec_capture"] = self._capture_one(task, rid, prompt, meta)
             return rows
         finally:
             for rid in rids:
                 remove_request(self.dump_dir, rid)
 
-    def _capture_one(self, task: TaskCapture, rid: str, prompt: list[int]) -> dict[str, Any]:
+    def _capture_one(self, task: TaskCapture, rid: str, prompt: list[int],
+                     meta: dict[str, Any]) -> dict[str, Any]:
+        problem = check_meta(meta, len(prompt))
+        if problem is not None:
+            # The writer may still be writing this rid's files (an aborted one gets no
+            # marker): let its directory settle before it is removed.
+            wait_until_settled(self.dump_dir, rid, SETTLE_QUIET_S, self.marker_timeout)
+            return capture_failure(task, problem)
         status = wait_for_marker(self.dump_dir, rid, self.marker_timeout)
         if status is None:
             return capture_failure(task, f"no done marker for dump rid {rid} within "
@@ -300,3 +317,61 @@ class Bridge:
         except (CaptureFailed, protocol.ProtocolError) as e:
             return capture_failure(task, str(e))
         return capture_result(task, tensors, self.layer_ids)
+
+
+class SGLangEngine:
+    """The prefills on an hsdump-enabled SGLang server: one batched prefill-only ``/generate``."""
+
+    def __init__(self, url: str, timeout: float = 300.0) -> None:
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        self._local = threading.local()
+
+    def __call__(self, input_ids: list[list[int]], rids: list[str],
+                 extra_key: list[str] | None) -> list[dict[str, Any]]:
+        body: dict[str, Any] = {"input_ids": input_ids, "rid": rids,
+                                "sampling_params": {"max_new_tokens": 0, "temperature": 0}}
+        if extra_key is not None:
+            body["extra_key"] = extra_key
+        if not hasattr(self._local, "session"):
+            self._local.session = requests.Session()
+        r = self._local.session.post(f"{self.url}/generate", json=body, timeout=self.timeout)
+        r.raise_for_status()
+        rows = r.json()
+        return rows if isinstance(rows, list) else [rows]
+
+
+def make_server(bridge: Bridge, host: str, port: int) -> ThreadingHTTPServer:
+    """An HTTP server answering SpecForge's ``spec_capture`` ``/generate`` with ``bridge``
+    (one thread per request); anything else is refused with 404 naming the server to ask."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def _answer(self, code: int, payload: Any) -> None:
+            raw = json.dumps(payload).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+
+        def do_POST(self) -> None:
+            try:
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+            except ValueError as e:
+                return self._answer(400, {"error": f"the body is not JSON: {e}"})
+            if self.path != "/generate" or not isinstance(body, dict) \
+                    or "spec_capture" not in body:
+                return self._answer(404, {"error": "this bridge answers only spec_capture "
+                                                   "/generate requests; send others to the "
+                                                   "SGLang server"})
+            try:
+                return self._answer(200, bridge.generate(body))
+            except BridgeRequestError as e:
+                return self._answer(400, {"error": str(e)})
+            except Exception as e:  # the whole batch fails; SpecForge retries its lease
+                return self._answer(502, {"error": f"{type(e).__name__}: {e}"})
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    return ThreadingHTTPServer((host, port), Handler)
