@@ -377,3 +377,40 @@ def test_a_prompt_served_from_cache_fails_naming_the_radix_cache(
     assert isinstance(fail, ServerCaptureFailure) and "radix" in fail.reason, fail
     assert sink.store.is_exist(f"{store.store_id}/run:task60/g1/target") == 0
     assert _rid_dirs(dump_dir) == []
+
+
+class CountingSink:
+    """The real sink, counting how many tasks publish at once (each publish takes >= 50 ms)."""
+
+    def __init__(self, sink: MooncakeSink) -> None:
+        self.sink, self.active, self.peak = sink, 0, 0
+        self.lock = threading.Lock()
+
+    def publish(self, task, tensors) -> None:
+        with self.lock:
+            self.active += 1
+            self.peak = max(self.peak, self.active)
+        try:
+            time.sleep(0.05)
+            self.sink.publish(task, tensors)
+        finally:
+            with self.lock:
+                self.active -= 1
+
+
+def test_features_in_flight_are_capped_by_workers_whatever_the_requests(
+        store, sink, dump_dir: Path, engine: DumpEngine) -> None:
+    """Four concurrent requests against a bridge of two workers: never more than two tasks'
+    features are held and published at once, and every ref still reads back."""
+    counting = CountingSink(sink)
+    bridge = Bridge(dump_dir, counting, engine, workers=2)
+    batches = [_tasks([9, 17, 25], first=200 + 10 * b) for b in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(
+            lambda tasks: _adapter(store, bridge).produce_refs(tasks, capture=_capture()),
+            batches))
+    assert counting.peak == 2, counting.peak
+    for tasks, refs in zip(batches, results, strict=True):
+        for task, ref in zip(tasks, refs, strict=True):
+            _assert_readable(store, engine, task, ref)
+    assert _rid_dirs(dump_dir) == []

@@ -37,6 +37,7 @@ from hsdump_patch.client.assemble import (
     wait_for_marker,
     wait_until_settled,
 )
+from hsdump_patch.client.buffers import BufferPool
 from hsdump_patch.client.extract import check_meta
 from hsdump_patch.client.records import RecordBuilder, torch_dtype
 
@@ -148,12 +149,14 @@ class TaskCapture:
 
 
 def task_tensors(dump_dir: Path, rid: str, input_ids: list[int], info: protocol.ServerInfo,
-                 task: TaskCapture) -> dict[str, torch.Tensor]:
+                 task: TaskCapture, buf: memoryview | None = None,
+                 chunk_pool: BufferPool | None = None) -> dict[str, torch.Tensor]:
     """The tensors of one finished dump, named as the task asks: ``aux`` [1, L, K*H] (the
-    layers in ascending order), ``last_hidden`` [1, L, H] in the model dtype, passthroughs."""
+    layers in ascending order), ``last_hidden`` [1, L, H] in the model dtype, passthroughs.
+    The hidden states live in ``buf`` when given (:meth:`RecordBuilder.nbytes` long)."""
     length = len(input_ids)
-    builder = RecordBuilder("specforge", length, info)
-    read_request(dump_dir, rid, input_ids, info, builder)
+    builder = RecordBuilder("specforge", length, info, buf=buf)
+    read_request(dump_dir, rid, input_ids, info, builder, chunk_pool)
     out: dict[str, torch.Tensor] = {}
     if "aux" in task.features:
         out[task.features["aux"]] = builder.aux.view(1, length, -1)
@@ -259,7 +262,12 @@ class Bridge:
     """Serves SpecForge's ``spec_capture`` ``/generate`` with an hsdump-enabled server."""
 
     def __init__(self, dump_dir: Path, sink: MooncakeSink, engine: Engine, *,
-                 marker_timeout: float = 300.0) -> None:
+                 marker_timeout: float = 300.0, workers: int = 4,
+                 max_inflight_bytes: int = 4 << 30) -> None:
+        """At most ``workers`` tasks are read and published at once, whatever the number of
+        requests: host memory for features in flight is ``workers`` x (largest sample + one
+        chunk), buffers reused up to ``max_inflight_bytes``; further requests wait (their
+        HTTP answer too: the producer slows down)."""
         self.dump_dir = Path(dump_dir)
         self.info = protocol.read_server_info(self.dump_dir)
         torch_dtype(self.info.dtype)  # a dtype the client cannot read fails here, not per task
@@ -267,6 +275,9 @@ class Bridge:
         self.sink = sink
         self.engine = engine
         self.marker_timeout = marker_timeout
+        self._slots = threading.BoundedSemaphore(workers)
+        self._record_bufs = BufferPool(max_inflight_bytes)
+        self._chunk_bufs = BufferPool(max_inflight_bytes)
 
     def _rid(self) -> str:
         return f"{self.info.rid_prefix}bridge-{uuid.uuid4().hex}"
@@ -311,12 +322,15 @@ class Bridge:
         if status.error is not None:
             return capture_failure(task, f"the server could not dump rid {rid}: "
                                          f"{status.error.get('reason')}")
+        nbytes = RecordBuilder.nbytes(len(prompt), self.info)
         try:
-            tensors = task_tensors(self.dump_dir, rid, prompt, self.info, task)
-            self.sink.publish(task, tensors)
+            with self._slots, self._record_bufs.lend(nbytes) as buf:
+                tensors = task_tensors(self.dump_dir, rid, prompt, self.info, task, buf,
+                                       self._chunk_bufs)
+                self.sink.publish(task, tensors)
+                return capture_result(task, tensors, self.layer_ids)
         except (CaptureFailed, protocol.ProtocolError) as e:
             return capture_failure(task, str(e))
-        return capture_result(task, tensors, self.layer_ids)
 
 
 class SGLangEngine:
