@@ -9,10 +9,12 @@ set -euo pipefail
 list="$(dirname "$0")/prereqs.txt"
 check_only=${1:-}
 
-# Whether one word of the [packages] table is present: a command, or python3:<module>.
+# Whether one word of the [packages] table is present: a command, python3:<module>, or
+# lib:<soname> (a shared library the dynamic loader finds).
 present() {
   case $1 in
     python3:*) python3 -c "import ${1#python3:}" >/dev/null 2>&1 ;;
+    lib:*) python3 -c 'import ctypes, sys; ctypes.CDLL(sys.argv[1])' "${1#lib:}" >/dev/null 2>&1 ;;
     *) command -v "$1" >/dev/null 2>&1 ;;
   esac
 }

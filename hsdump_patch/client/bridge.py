@@ -1,0 +1,391 @@
+"""Prototype of ``hsdump bridge``: hsdump captures published into Mooncake for SpecForge's online
+(disaggregated) training, under SpecForge's own key layout (design: docs/online.md).
+
+SpecForge 0.2.0's producer (``specforge/inference/adapters/server_capture.py``,
+``SGLangServerCaptureAdapter.produce_refs``) posts one ``/generate`` per batch of prompt tasks
+with a ``spec_capture`` entry per task; it expects, per task, ``meta_info["spec_capture"]`` naming
+the sample id, generation, store id, aux layer ids and each feature's shape and dtype, once every
+tensor is readable at ``{store_id}/{sample_id}/g{gen}/{name}`` (``specforge/runtime/data_plane/
+mooncake_store.py``, ``MooncakeFeatureStore._tkey``), or ``{"error": reason}``.
+
+:class:`Bridge` does that with an hsdump-enabled server: one prefill-only ``/generate`` under
+dump rids, the chunks read back through the file protocol (every check of
+:func:`~hsdump_patch.client.assemble.read_request`), the aux layers concatenated in ascending
+order, the tensors put into Mooncake, the dump directories removed. Client side: it depends on
+the file protocol only, never on SGLang.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import requests
+import torch
+
+from hsdump_patch import protocol
+from hsdump_patch.client.assemble import (
+    read_request,
+    remove_request,
+    wait_for_marker,
+    wait_until_settled,
+)
+from hsdump_patch.client.buffers import BufferPool
+from hsdump_patch.client.extract import check_meta
+from hsdump_patch.client.records import RecordBuilder, torch_dtype
+
+# The server's generic artifacts (SpecForge's ServerCaptureSchema aux / last_hidden_feature).
+ARTIFACTS = ("aux", "last_hidden")
+PASSTHROUGH_DTYPES = {"int64": torch.int64, "int32": torch.int32}
+SETTLE_QUIET_S = 1.0  # a failed row's dump directory is final after this long unchanged
+MOONCAKE_NOT_FOUND = -704  # Mooncake's OBJECT_NOT_FOUND, what remove() of an absent key returns
+
+# ``engine(input_ids, rids, extra_key) -> rows``: runs the prefills, one /generate row per prompt.
+Engine = Callable[[list[list[int]], list[str], "list[str] | None"], list[dict[str, Any]]]
+
+
+class BridgeRequestError(ValueError):
+    """A ``/generate`` body this bridge cannot serve (answered HTTP 400, never retried)."""
+
+
+class CaptureFailed(RuntimeError):
+    """One task's capture failed; its reason goes back as SpecForge's per-task failure."""
+
+
+def feature_key(store_id: str, sample_id: str, gen: int, name: str) -> str:
+    """Mooncake key of one feature tensor (SpecForge 0.2.0 ``MooncakeFeatureStore._tkey``)."""
+    return f"{store_id}/{sample_id}/g{gen}/{name}"
+
+
+def aux_layer_ids(info: protocol.ServerInfo) -> tuple[int, ...]:
+    """SpecForge's ids of the server's capture layers, ascending (the concatenation order).
+
+    hsdump's layer ``l`` is HF ``output_hidden_states[l]``, the input of decoder layer ``l``;
+    SpecForge (like SGLang's ``set_eagle3_layers_to_capture``, which captures at ``id + 1``)
+    names it ``l - 1``, the output of layer ``l - 1``. Layer 0 (the embeddings) has no id.
+    """
+    if 0 in info.layers:
+        raise BridgeRequestError("the server captures layer 0 (the embeddings), which has no "
+                                 "SpecForge aux layer id; start it with layers >= 1")
+    return tuple(sorted(layer - 1 for layer in info.layers))
+
+
+def server_layers_for(specforge_ids: Sequence[int]) -> list[int]:
+    """The hsdump ``--layers`` that give SpecForge's ``aux_hidden_state_layer_ids``."""
+    return [i + 1 for i in specforge_ids]
+
+
+@dataclass(frozen=True)
+class Passthrough:
+    """A client tensor stored verbatim (``input_ids``, ``loss_mask``, ``attention_mask``)."""
+
+    name: str
+    data: list[int]
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class TaskCapture:
+    """One task's ``spec_capture`` entry of the request."""
+
+    store_id: str
+    sample_id: str
+    gen: int
+    replace: bool
+    features: dict[str, str]  # artifact ("aux" / "last_hidden") -> SpecForge feature name
+    passthrough: tuple[Passthrough, ...]
+
+    @classmethod
+    def from_json(cls, payload: Any, prompt_len: int) -> TaskCapture:
+        """Validate one ``spec_capture`` entry for a prompt of ``prompt_len`` tokens."""
+        if not isinstance(payload, Mapping):
+            raise BridgeRequestError(f"spec_capture entry is {type(payload).__name__}, "
+                                     "expected an object")
+        try:
+            store_id, sample_id = str(payload["store_id"]), str(payload["sample_id"])
+            gen, replace = int(payload["gen"]), bool(payload.get("replace", False))
+            features = dict(payload.get("features") or {})
+            raw_pass = list(payload.get("passthrough") or [])
+        except (KeyError, TypeError, ValueError) as e:
+            raise BridgeRequestError(f"spec_capture entry lacks or mangles {e}") from None
+        if not store_id or not sample_id or gen < 1:
+            raise BridgeRequestError(f"spec_capture entry needs a store_id, a sample_id and a "
+                                     f"generation >= 1 (got {store_id!r}, {sample_id!r}, {gen})")
+        unknown = sorted(set(features) - set(ARTIFACTS))
+        if unknown:
+            raise BridgeRequestError(f"spec_capture asks for artifacts {unknown}; this bridge "
+                                     f"captures {list(ARTIFACTS)}")
+        passthrough = []
+        for item in raw_pass:
+            try:
+                p = Passthrough(str(item["name"]), [int(v) for v in item["data"]],
+                                tuple(int(d) for d in item["shape"]), str(item["dtype"]))
+            except (KeyError, TypeError, ValueError) as e:
+                raise BridgeRequestError(f"passthrough entry lacks or mangles {e}") from None
+            if p.dtype not in PASSTHROUGH_DTYPES:
+                raise BridgeRequestError(f"passthrough {p.name!r} has dtype {p.dtype!r}; "
+                                         f"expected one of {sorted(PASSTHROUGH_DTYPES)}")
+            if math.prod(p.shape) != len(p.data) or p.shape[:2] != (1, prompt_len):
+                raise BridgeRequestError(
+                    f"passthrough {p.name!r}: shape {list(p.shape)} does not hold its "
+                    f"{len(p.data)} values as [1, {prompt_len}, ...] for this prompt")
+            passthrough.append(p)
+        names = [*features.values(), *(p.name for p in passthrough)]
+        if not names or len(set(names)) != len(names):
+            raise BridgeRequestError(f"spec_capture feature names must be unique and non-empty, "
+                                     f"got {names}")
+        return cls(store_id, sample_id, gen, replace, features, tuple(passthrough))
+
+    def key(self, name: str) -> str:
+        return feature_key(self.store_id, self.sample_id, self.gen, name)
+
+
+def task_tensors(dump_dir: Path, rid: str, input_ids: list[int], info: protocol.ServerInfo,
+                 task: TaskCapture, buf: memoryview | None = None,
+                 chunk_pool: BufferPool | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of one finished dump, named as the task asks: ``aux`` [1, L, K*H] (the
+    layers in ascending order), ``last_hidden`` [1, L, H] in the model dtype, passthroughs.
+    The hidden states live in ``buf`` when given (:meth:`RecordBuilder.nbytes` long)."""
+    length = len(input_ids)
+    builder = RecordBuilder("specforge", length, info, buf=buf)
+    read_request(dump_dir, rid, input_ids, info, builder, chunk_pool)
+    out: dict[str, torch.Tensor] = {}
+    if "aux" in task.features:
+        out[task.features["aux"]] = builder.aux.view(1, length, -1)
+    if "last_hidden" in task.features:
+        if builder.final is None:
+            raise CaptureFailed("last_hidden wanted but the server does not capture the "
+                                "post-final-norm state (start it with the final state on)")
+        out[task.features["last_hidden"]] = builder.final.view(1, length, -1)
+    for p in task.passthrough:
+        out[p.name] = torch.tensor(p.data, dtype=PASSTHROUGH_DTYPES[p.dtype]).view(p.shape)
+    return out
+
+
+class MooncakeSink:
+    """Writes tensors into Mooncake as raw buffers, hard-pinned (SpecForge frees them).
+
+    ``store`` is a set-up ``mooncake.store.MooncakeDistributedStore`` whose global segment holds
+    the published features until the trainer removes them: size it (docs/online.md).
+    """
+
+    def __init__(self, store: Any, replicate_config: Any) -> None:
+        self.store = store
+        self.config = replicate_config
+        if hasattr(self.config, "with_hard_pin"):
+            self.config.with_hard_pin = True
+        self._lock = threading.Lock()
+
+    @classmethod
+    def connect(cls, *, master: str, metadata: str, local_hostname: str,
+                global_segment_size: int, local_buffer_size: int = 64 << 20,
+                protocol_name: str = "tcp", rdma_devices: str = "") -> MooncakeSink:
+        """Connect to a Mooncake master (``host:port``) and metadata server (URL)."""
+        from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+
+        store = MooncakeDistributedStore()
+        rc = store.setup(local_hostname, metadata, global_segment_size, local_buffer_size,
+                         protocol_name, rdma_devices, master)
+        if rc != 0:
+            raise RuntimeError(f"Mooncake setup failed (status {rc}) for master {master}, "
+                               f"metadata {metadata}, protocol {protocol_name}")
+        return cls(store, ReplicateConfig())
+
+    def _put(self, key: str, t: torch.Tensor, upsert: bool) -> None:
+        t = t.contiguous()
+        nbytes = t.numel() * t.element_size()
+        ptr = t.data_ptr()
+        self.store.register_buffer(ptr, nbytes)
+        try:
+            put = self.store.upsert_from if upsert else self.store.put_from
+            rc = put(key, ptr, nbytes, self.config)
+        finally:
+            self.store.unregister_buffer(ptr)
+        if rc != 0:
+            raise CaptureFailed(f"Mooncake refused {key} ({nbytes} bytes, status {rc}): is "
+                                "the bridge's segment full (the trainer lagging)?")
+
+    def remove(self, keys: list[str]) -> list[str]:
+        """Force-remove ``keys``; return the ones that could not be removed."""
+        return [k for k in keys if self.store.remove(k, force=True) not in (0, MOONCAKE_NOT_FOUND)]
+
+    def publish(self, task: TaskCapture, tensors: dict[str, torch.Tensor]) -> None:
+        """Make every tensor readable under the task's keys, or none of them.
+
+        Mooncake's ``put_from`` keeps an existing object's old bytes (and answers 0), so a
+        ``replace`` (a retry) upserts; without it an existing key is refused.
+        """
+        keys = {name: task.key(name) for name in tensors}
+        if not task.replace:
+            present = [k for k in keys.values() if self.store.is_exist(k) == 1]
+            if present:
+                raise CaptureFailed(f"keys {present} exist and the request does not replace "
+                                    "them (a second writer of this sample?)")
+        written: list[str] = []
+        try:
+            for name, t in tensors.items():
+                self._put(keys[name], t, upsert=task.replace)
+                written.append(keys[name])
+        except BaseException:
+            self.remove(written)
+            raise
+
+
+def capture_result(task: TaskCapture, tensors: dict[str, torch.Tensor],
+                   layer_ids: tuple[int, ...]) -> dict[str, Any]:
+    """``meta_info["spec_capture"]`` of a published task (what SpecForge builds its ref from)."""
+    return {
+        "sample_id": task.sample_id,
+        "store_id": task.store_id,
+        "gen": task.gen,
+        "aux_layer_ids": list(layer_ids),
+        "features": {name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+                     for name, t in tensors.items()},
+    }
+
+
+def capture_failure(task: TaskCapture, reason: str) -> dict[str, Any]:
+    """SpecForge's per-task failure shape (a retryable ``ServerCaptureFailure`` on its side)."""
+    return {"sample_id": task.sample_id, "store_id": task.store_id, "gen": task.gen,
+            "error": reason}
+
+
+class Bridge:
+    """Serves SpecForge's ``spec_capture`` ``/generate`` with an hsdump-enabled server."""
+
+    def __init__(self, dump_dir: Path, sink: MooncakeSink, engine: Engine, *,
+                 marker_timeout: float = 300.0, workers: int = 4,
+                 max_inflight_bytes: int = 4 << 30) -> None:
+        """At most ``workers`` tasks are read and published at once, whatever the number of
+        requests: host memory for features in flight is ``workers`` x (largest sample + one
+        chunk), buffers reused up to ``max_inflight_bytes``; further requests wait (their
+        HTTP answer too: the producer slows down)."""
+        self.dump_dir = Path(dump_dir)
+        self.info = protocol.read_server_info(self.dump_dir)
+        torch_dtype(self.info.dtype)  # a dtype the client cannot read fails here, not per task
+        self.layer_ids = aux_layer_ids(self.info)
+        self.sink = sink
+        self.engine = engine
+        self.marker_timeout = marker_timeout
+        self._slots = threading.BoundedSemaphore(workers)
+        self._record_bufs = BufferPool(max_inflight_bytes)
+        self._chunk_bufs = BufferPool(max_inflight_bytes)
+
+    def _rid(self) -> str:
+        return f"{self.info.rid_prefix}bridge-{uuid.uuid4().hex}"
+
+    def generate(self, body: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """Answer one ``spec_capture`` ``/generate`` body: the server's rows, each with its
+        task's ``meta_info["spec_capture"]``."""
+        ids = body.get("input_ids")
+        entries = body.get("spec_capture")
+        if isinstance(ids, list) and ids and isinstance(ids[0], int):
+            ids, entries = [ids], [entries] if isinstance(entries, Mapping) else entries
+        if not isinstance(ids, list) or not isinstance(entries, list) or len(ids) != len(entries):
+            raise BridgeRequestError("a spec_capture /generate needs input_ids (a list of token "
+                                     "id lists) and one spec_capture entry per prompt")
+        tasks = [TaskCapture.from_json(e, len(p)) for e, p in zip(entries, ids, strict=True)]
+        rids = [self._rid() for _ in tasks]
+        try:
+            rows = self.engine(ids, rids, body.get("extra_key"))
+            if len(rows) != len(tasks):
+                raise RuntimeError(f"the server answered {len(rows)} rows for {len(tasks)} "
+                                   "prompts")
+            for task, rid, prompt, row in zip(tasks, rids, ids, rows, strict=True):
+                meta = row.setdefault("meta_info", {})
+                meta["spec_capture"] = self._capture_one(task, rid, prompt, meta)
+            return rows
+        finally:
+            for rid in rids:
+                remove_request(self.dump_dir, rid)
+
+    def _capture_one(self, task: TaskCapture, rid: str, prompt: list[int],
+                     meta: dict[str, Any]) -> dict[str, Any]:
+        problem = check_meta(meta, len(prompt))
+        if problem is not None:
+            # The writer may still be writing this rid's files (an aborted one gets no
+            # marker): let its directory settle before it is removed.
+            wait_until_settled(self.dump_dir, rid, SETTLE_QUIET_S, self.marker_timeout)
+            return capture_failure(task, problem)
+        status = wait_for_marker(self.dump_dir, rid, self.marker_timeout)
+        if status is None:
+            return capture_failure(task, f"no done marker for dump rid {rid} within "
+                                         f"{self.marker_timeout:g}s")
+        if status.error is not None:
+            return capture_failure(task, f"the server could not dump rid {rid}: "
+                                         f"{status.error.get('reason')}")
+        nbytes = RecordBuilder.nbytes(len(prompt), self.info)
+        try:
+            with self._slots, self._record_bufs.lend(nbytes) as buf:
+                tensors = task_tensors(self.dump_dir, rid, prompt, self.info, task, buf,
+                                       self._chunk_bufs)
+                self.sink.publish(task, tensors)
+                return capture_result(task, tensors, self.layer_ids)
+        except (CaptureFailed, protocol.ProtocolError) as e:
+            return capture_failure(task, str(e))
+
+
+class SGLangEngine:
+    """The prefills on an hsdump-enabled SGLang server: one batched prefill-only ``/generate``."""
+
+    def __init__(self, url: str, timeout: float = 300.0) -> None:
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        self._local = threading.local()
+
+    def __call__(self, input_ids: list[list[int]], rids: list[str],
+                 extra_key: list[str] | None) -> list[dict[str, Any]]:
+        body: dict[str, Any] = {"input_ids": input_ids, "rid": rids,
+                                "sampling_params": {"max_new_tokens": 0, "temperature": 0}}
+        if extra_key is not None:
+            body["extra_key"] = extra_key
+        if not hasattr(self._local, "session"):
+            self._local.session = requests.Session()
+        r = self._local.session.post(f"{self.url}/generate", json=body, timeout=self.timeout)
+        r.raise_for_status()
+        rows = r.json()
+        return rows if isinstance(rows, list) else [rows]
+
+
+def make_server(bridge: Bridge, host: str, port: int) -> ThreadingHTTPServer:
+    """An HTTP server answering SpecForge's ``spec_capture`` ``/generate`` with ``bridge``
+    (one thread per request); anything else is refused with 404 naming the server to ask."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def _answer(self, code: int, payload: Any) -> None:
+            raw = json.dumps(payload).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+
+        def do_POST(self) -> None:
+            try:
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+            except ValueError as e:
+                return self._answer(400, {"error": f"the body is not JSON: {e}"})
+            if self.path != "/generate" or not isinstance(body, dict) \
+                    or "spec_capture" not in body:
+                return self._answer(404, {"error": "this bridge answers only spec_capture "
+                                                   "/generate requests; send others to the "
+                                                   "SGLang server"})
+            try:
+                return self._answer(200, bridge.generate(body))
+            except BridgeRequestError as e:
+                return self._answer(400, {"error": str(e)})
+            except Exception as e:  # the whole batch fails; SpecForge retries its lease
+                return self._answer(502, {"error": f"{type(e).__name__}: {e}"})
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    return ThreadingHTTPServer((host, port), Handler)

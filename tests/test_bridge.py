@@ -1,0 +1,416 @@
+"""The bridge prototype against a real Mooncake (master + HTTP metadata server on localhost, TCP)
+and SpecForge 0.2.0's own producer adapter and feature store.
+
+No SGLang server: the dumps come from the project's own DumpWriter on CPU (as test_writer.py),
+written for the rids the bridge sends, chunked; SpecForge's ``produce_refs`` reaches the bridge
+through its own ``post_fn`` seam, and every ref is read back with SpecForge's
+``MooncakeFeatureStore.get``. Mooncake is ``mooncake-transfer-engine-non-cuda``
+(requirements-test.txt; its libraries need libibverbs1 and libnuma1, scripts/prereqs.txt).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hsdump_patch import protocol
+from hsdump_patch.capture.writer import DumpWriter
+from hsdump_patch.client.bridge import Bridge, MooncakeSink, make_server, server_layers_for
+from tests.conftest import require, specforge_on_path
+
+HIDDEN = 16
+SPECFORGE_LAYERS = (1, 3, 5)  # SpecForge's aux_hidden_state_layer_ids
+CHUNK = 7  # prefill chunk of the stand-in engine: every prompt below spans several
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_port(port: int, proc: subprocess.Popen, what: str) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise RuntimeError(f"{what} did not listen on {port} within 30s")
+
+
+@pytest.fixture(scope="module")
+def mooncake(tmp_path_factory) -> Iterator[dict[str, str]]:
+    """A Mooncake master and HTTP metadata server on localhost; their endpoints."""
+    spec = importlib.util.find_spec("mooncake")
+    require(spec is not None and spec.origin is not None,
+            "mooncake-transfer-engine-non-cuda importable (requirements-test.txt)")
+    specforge_on_path()
+    package = Path(spec.origin).parent
+    logs = tmp_path_factory.mktemp("mooncake")
+    rpc, metrics, meta = _free_port(), _free_port(), _free_port()
+    with open(logs / "master.log", "w") as master_log, \
+            open(logs / "metadata.log", "w") as meta_log:
+        procs = [
+            # The wheel's own master binary (its console script only execs it).
+            subprocess.Popen([str(package / "mooncake_master"), f"-rpc_port={rpc}",
+                              f"-metrics_port={metrics}", "-rpc_thread_num=2"],
+                             stdout=master_log, stderr=subprocess.STDOUT),
+            subprocess.Popen([sys.executable, "-m", "mooncake.http_metadata_server", "--host",
+                              "127.0.0.1", "--port", str(meta)],
+                             env={**os.environ, "PYTHONPATH": str(package.parent)},
+                             stdout=meta_log, stderr=subprocess.STDOUT),
+        ]
+        try:
+            _wait_port(rpc, procs[0], "mooncake_master")
+            _wait_port(meta, procs[1], "the metadata server")
+            yield {"master": f"127.0.0.1:{rpc}", "metadata": f"http://127.0.0.1:{meta}/metadata"}
+        finally:
+            for p in procs:
+                p.terminate()
+                p.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def sink(mooncake) -> Iterator[MooncakeSink]:
+    """The bridge's Mooncake client: its 64 MiB segment holds what it publishes."""
+    s = MooncakeSink.connect(master=mooncake["master"], metadata=mooncake["metadata"],
+                             local_hostname="127.0.0.1", global_segment_size=64 << 20,
+                             local_buffer_size=16 << 20)
+    yield s
+    s.store.close()
+
+
+@pytest.fixture(scope="module")
+def store(mooncake, sink):
+    """SpecForge's own store, a client without a segment (as its online launcher sets it)."""
+    from specforge.runtime.data_plane.mooncake_store import MooncakeFeatureStore
+
+    return MooncakeFeatureStore(store_id=f"t{uuid.uuid4().hex[:6]}", setup_kwargs={
+        "local_hostname": "127.0.0.1", "metadata_server": mooncake["metadata"],
+        "master_server_addr": mooncake["master"], "global_segment_size": 0,
+        "local_buffer_size": 16 << 20})
+
+
+class DumpEngine:
+    """Writes each prompt's dump with the project's DumpWriter, in chunks of ``CHUNK`` tokens:
+    hidden states drawn from ``seed`` and the token ids (what the capture would write)."""
+
+    def __init__(self, dump_dir: Path, info: protocol.ServerInfo) -> None:
+        self.dump_dir, self.info, self.seed = dump_dir, info, 0
+        self.fail: set[int] = set()  # prompt indexes whose dump fails
+        self.cached = 0  # the cached_tokens the rows report
+        self.written: dict[tuple[int, ...], torch.Tensor] = {}  # prompt -> [L, S, H]
+        self.writer = DumpWriter(dump_dir, max_inflight_bytes=1 << 20, min_free_bytes=0,
+                                 threads=2, device=torch.device("cpu"))
+
+    def __call__(self, input_ids: list[list[int]], rids: list[str],
+                 extra_key: list[str] | None) -> list[dict[str, Any]]:
+        assert extra_key is not None and len(extra_key) == len(rids)
+        slots = len(self.info.layers) + 1
+        for i, (ids, rid) in enumerate(zip(input_ids, rids, strict=True)):
+            g = torch.Generator().manual_seed(self.seed * 1000 + i)
+            hs = torch.randn(len(ids), slots, HIDDEN, generator=g).to(torch.bfloat16)
+            self.written[tuple(ids)] = hs
+            if i in self.fail:
+                self.writer.fail_request(rid, "stand-in failure", len(ids))
+                continue
+            for a in range(0, len(ids), CHUNK):
+                b = min(a + CHUNK, len(ids))
+                meta = protocol.ChunkMeta(rid=rid, prefix_len=a, layers=self.info.layers,
+                                          has_final=True, model="tiny", tp_size=1,
+                                          sglang_version="0.5.23", hsdump_version="test")
+                self.writer.submit(meta, [(protocol.HIDDEN_KEY, hs[a:b]),
+                                          (protocol.INPUT_IDS_KEY, torch.tensor(ids[a:b])),
+                                          (protocol.POSITIONS_KEY, torch.arange(a, b))],
+                                   prompt_len=len(ids) if b == len(ids) else None)
+        assert self.writer.flush(timeout=30)
+        return [{"text": "", "meta_info": {"id": rid, "prompt_tokens": len(ids),
+                                           "cached_tokens": self.cached}}
+                for ids, rid in zip(input_ids, rids, strict=True)]
+
+
+@pytest.fixture
+def dump_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "dump"
+    protocol.make_private_dir(d)
+    # Layers listed unsorted: the bridge concatenates them in ascending order, as SGLang does.
+    layers = tuple(server_layers_for(SPECFORGE_LAYERS))[::-1]
+    info = protocol.ServerInfo(model="tiny", architecture="LlamaForCausalLM", layers=layers,
+                               layers_source="test", has_final=True, hidden_size=HIDDEN,
+                               num_hidden_layers=8, dtype="bfloat16", tp_size=1,
+                               rid_prefix="hsdump-", sglang_version="0.5.23",
+                               hsdump_version="test", pid=os.getpid())
+    protocol.write_json_atomic(d / protocol.SERVER_INFO, info.to_json())
+    return d
+
+
+@pytest.fixture
+def engine(dump_dir: Path) -> Iterator[DumpEngine]:
+    e = DumpEngine(dump_dir, protocol.read_server_info(dump_dir))
+    yield e
+    e.writer.close()
+
+
+def _adapter(store, bridge: Bridge | None, lose_response: bool = False, url: str = ""):
+    """SpecForge's own adapter for eagle3's server-streaming layout, posting to ``bridge``."""
+    from specforge.inference.adapters.server_capture import (
+        ServerCaptureSchema,
+        SGLangServerCaptureAdapter,
+    )
+
+    def post(url: str, json_body: dict[str, Any], timeout: float) -> Any:
+        assert url.endswith("/generate")
+        rows = bridge.generate(json_body)
+        if lose_response:
+            raise ConnectionError("response lost after the bridge answered")
+        return rows
+
+    # specforge/algorithms/eagle3/providers.py: server_streaming ServerCaptureLayout
+    schema = ServerCaptureSchema(aux_feature="hidden_state", last_hidden_feature="target",
+                                 passthrough=(("input_ids", "input_ids", ()),
+                                              ("loss_mask", "loss_mask", ())),
+                                 attention_mask_feature="attention_mask")
+    # Without a bridge object: SpecForge's own HTTP client (requests) to the bridge at ``url``.
+    return SGLangServerCaptureAdapter(url or "http://bridge", store, run_id="run",
+                                      algorithm="eagle3", schema=schema,
+                                      post_fn=post if bridge is not None else None)
+
+
+def _capture(layers=SPECFORGE_LAYERS, hidden: int = HIDDEN):
+    from specforge.inference.capture import CaptureConfig
+
+    return CaptureConfig.from_strategy(
+        {"hidden_state", "target", "input_ids", "loss_mask", "attention_mask"}, layers,
+        target_repr="hidden_state", target_hidden_size=hidden)
+
+
+def _tasks(lengths: list[int], attempt: int = 0, first: int = 0):
+    from specforge.runtime.contracts import PromptTask
+
+    tasks = []
+    for n, length in enumerate(lengths, start=first):
+        ids = [(n * 131 + 7 * j) % 1000 for j in range(length)]
+        mask = [int(j >= length // 3) for j in range(length)]
+        tasks.append(PromptTask(task_id=f"task{n}", run_id="run", source_id=f"s{n}",
+                                payload={"input_ids": ids, "loss_mask": mask},
+                                max_length=4096, attempt=attempt))
+    return tasks
+
+
+def _expected(engine: DumpEngine, task) -> dict[str, torch.Tensor]:
+    ids = task.payload["input_ids"]
+    hs = engine.written[tuple(ids)]
+    order = sorted(range(len(SPECFORGE_LAYERS)), key=lambda s: engine.info.layers[s])
+    return {"hidden_state": hs[:, order].reshape(1, len(ids), -1),
+            "target": hs[:, -1].unsqueeze(0),
+            "input_ids": torch.tensor([ids]),
+            "loss_mask": torch.tensor([task.payload["loss_mask"]]),
+            "attention_mask": torch.ones(1, len(ids), dtype=torch.long)}
+
+
+def _assert_readable(store, engine: DumpEngine, task, ref) -> None:
+    got, handle = store.get(ref)
+    want = _expected(engine, task)
+    assert set(got) == set(want)
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype and torch.equal(got[name], t), (task.task_id, name)
+    store.release(handle)
+
+
+def _rid_dirs(dump_dir: Path) -> list[Path]:
+    return [p for p in dump_dir.iterdir() if p.is_dir()]
+
+
+def test_a_batch_of_chunked_prompts_reads_back_through_specforges_store(
+        store, sink, dump_dir: Path, engine: DumpEngine) -> None:
+    """Several tasks in one request, each dump in several chunks: every ref SpecForge builds
+    reads back, with its own get, exactly what was dumped (aux layers in ascending order,
+    the final state, the passthroughs); the dump dir is empty afterwards."""
+    bridge = Bridge(dump_dir, sink, engine)
+    tasks = _tasks([5, 23, 40])
+    refs = _adapter(store, bridge).produce_refs(tasks, capture=_capture())
+    for task, ref in zip(tasks, refs, strict=True):
+        assert ref.metadata["generation"] == 1, ref
+        assert ref.feature_specs["hidden_state"].shape == (1, len(task.payload["input_ids"]),
+                                                           3 * HIDDEN)
+        _assert_readable(store, engine, task, ref)
+    assert _rid_dirs(dump_dir) == []
+
+
+def test_a_retry_after_a_lost_response_leaves_only_the_retrys_values(
+        store, sink, dump_dir: Path, engine: DumpEngine) -> None:
+    """The first attempt writes its keys but its response is lost; the retry (SpecForge's
+    ``replace``) supersedes them: the one readable generation holds the retry's values.
+    (Mooncake's put_from keeps an existing key's old bytes; without the upsert this fails.)"""
+    bridge = Bridge(dump_dir, sink, engine)
+    with pytest.raises(ConnectionError):
+        _adapter(store, bridge, lose_response=True).produce_refs(_tasks([30], first=10),
+                                                                 capture=_capture())
+    first = engine.written.copy()
+    engine.seed = 1  # the retry's prefill gives other values: which attempt is read shows
+    tasks = _tasks([30], attempt=1, first=10)
+    (ref,) = _adapter(store, bridge).produce_refs(tasks, capture=_capture())
+    assert not torch.equal(first[tuple(tasks[0].payload["input_ids"])],
+                           engine.written[tuple(tasks[0].payload["input_ids"])])
+    _assert_readable(store, engine, tasks[0], ref)
+    assert _rid_dirs(dump_dir) == []
+
+
+def test_a_failed_dump_answers_specforges_failure_and_its_neighbours_succeed(
+        store, sink, dump_dir: Path, engine: DumpEngine) -> None:
+    """A dump that fails gives that task SpecForge's retryable per-task failure naming the
+    reason, with no key written; the other tasks of the request are readable."""
+    from specforge.inference.adapters.server_capture import ServerCaptureFailure
+
+    bridge = Bridge(dump_dir, sink, engine)
+    engine.fail = {1}
+    tasks = _tasks([12, 12, 12], first=20)
+    refs = _adapter(store, bridge).produce_refs(tasks, capture=_capture())
+    assert isinstance(refs[1], ServerCaptureFailure) and refs[1].retryable
+    assert "stand-in failure" in refs[1].reason
+    assert sink.store.is_exist(f"{store.store_id}/run:task21/g1/target") == 0
+    for i in (0, 2):
+        _assert_readable(store, engine, tasks[i], refs[i])
+    assert _rid_dirs(dump_dir) == []
+
+
+def test_layers_other_than_the_trainers_are_refused_naming_both(
+        store, sink, dump_dir: Path, engine: DumpEngine) -> None:
+    """A trainer asking for other aux layers gets a non-retryable failure naming both lists
+    (SpecForge's verify_capture_specs on the ids the bridge reports), and nothing stays."""
+    from specforge.inference.adapters.server_capture import ServerCaptureFailure
+
+    bridge = Bridge(dump_dir, sink, engine)
+    (fail,) = _adapter(store, bridge).produce_refs(_tasks([9], first=30),
+                                                   capture=_capture(layers=(2, 3, 5)))
+    assert isinstance(fail, ServerCaptureFailure) and not fail.retryable
+    assert "(1, 3, 5) != requested (2, 3, 5)" in fail.reason, fail.reason
+    assert _rid_dirs(dump_dir) == []
+
+
+def test_concurrent_requests_each_read_back_their_own_features(
+        store, sink, dump_dir: Path, engine: DumpEngine) -> None:
+    """Four producer threads posting at once through one bridge (one Mooncake client): every
+    ref reads back its own prompt's features."""
+    bridge = Bridge(dump_dir, sink, engine)
+    batches = [_tasks([11 + 3 * b, 20, 33 - b], first=100 + 10 * b) for b in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(
+            lambda tasks: _adapter(store, bridge).produce_refs(tasks, capture=_capture()),
+            batches))
+    for tasks, refs in zip(batches, results, strict=True):
+        for task, ref in zip(tasks, refs, strict=True):
+            _assert_readable(store, engine, task, ref)
+    assert _rid_dirs(dump_dir) == []
+
+
+def test_a_first_attempt_never_overwrites_existing_keys(
+        store, sink, dump_dir: Path, engine: DumpEngine) -> None:
+    """A request that does not replace, for a sample whose keys exist (a second writer), fails
+    that task naming the keys and leaves the existing values readable."""
+    from specforge.inference.adapters.server_capture import ServerCaptureFailure
+
+    bridge = Bridge(dump_dir, sink, engine)
+    tasks = _tasks([14], first=40)
+    (ref,) = _adapter(store, bridge).produce_refs(tasks, capture=_capture())
+    kept = engine.written.copy()
+    engine.seed = 2
+    (fail,) = _adapter(store, bridge).produce_refs(tasks, capture=_capture())
+    assert isinstance(fail, ServerCaptureFailure) and "exist" in fail.reason, fail
+    engine.written = kept
+    _assert_readable(store, engine, tasks[0], ref)
+    assert _rid_dirs(dump_dir) == []
+
+
+def test_over_http_with_specforges_own_client(store, sink, dump_dir: Path,
+                                              engine: DumpEngine) -> None:
+    """The bridge's HTTP server and SpecForge's own HTTP post: the JSON on the wire builds the
+    same readable refs; a body that is no spec_capture request is refused naming why."""
+    import requests
+
+    server = make_server(Bridge(dump_dir, sink, engine), "127.0.0.1", 0)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        tasks = _tasks([8, 27], first=50)
+        refs = _adapter(store, None, url=url).produce_refs(tasks, capture=_capture())
+        for task, ref in zip(tasks, refs, strict=True):
+            _assert_readable(store, engine, task, ref)
+        r = requests.post(f"{url}/generate", json={"input_ids": [1, 2]}, timeout=30)
+        assert r.status_code == 404 and "spec_capture" in r.json()["error"]
+        r = requests.post(f"{url}/generate", json={"input_ids": [[1, 2]], "spec_capture": [
+            {"store_id": "s", "sample_id": "x", "gen": 1, "features": {"logits": "t"}}]},
+            timeout=30)
+        assert r.status_code == 400 and "['logits']" in r.json()["error"], r.text
+    finally:
+        server.shutdown()
+        thread.join()
+    assert _rid_dirs(dump_dir) == []
+
+
+def test_a_prompt_served_from_cache_fails_naming_the_radix_cache(
+        store, sink, dump_dir: Path, engine: DumpEngine) -> None:
+    """A row whose prompt tokens came from the radix cache (no hidden states for them) is
+    refused before any key is written."""
+    from specforge.inference.adapters.server_capture import ServerCaptureFailure
+
+    engine.cached = 4
+    (fail,) = _adapter(store, Bridge(dump_dir, sink, engine)).produce_refs(
+        _tasks([10], first=60), capture=_capture())
+    assert isinstance(fail, ServerCaptureFailure) and "radix" in fail.reason, fail
+    assert sink.store.is_exist(f"{store.store_id}/run:task60/g1/target") == 0
+    assert _rid_dirs(dump_dir) == []
+
+
+class CountingSink:
+    """The real sink, counting how many tasks publish at once (each publish takes >= 50 ms)."""
+
+    def __init__(self, sink: MooncakeSink) -> None:
+        self.sink, self.active, self.peak = sink, 0, 0
+        self.lock = threading.Lock()
+
+    def publish(self, task, tensors) -> None:
+        with self.lock:
+            self.active += 1
+            self.peak = max(self.peak, self.active)
+        try:
+            time.sleep(0.05)
+            self.sink.publish(task, tensors)
+        finally:
+            with self.lock:
+                self.active -= 1
+
+
+def test_features_in_flight_are_capped_by_workers_whatever_the_requests(
+        store, sink, dump_dir: Path, engine: DumpEngine) -> None:
+    """Four concurrent requests against a bridge of two workers: never more than two tasks'
+    features are held and published at once, and every ref still reads back."""
+    counting = CountingSink(sink)
+    bridge = Bridge(dump_dir, counting, engine, workers=2)
+    batches = [_tasks([9, 17, 25], first=200 + 10 * b) for b in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(
+            lambda tasks: _adapter(store, bridge).produce_refs(tasks, capture=_capture()),
+            batches))
+    assert counting.peak == 2, counting.peak
+    for tasks, refs in zip(batches, results, strict=True):
+        for task, ref in zip(tasks, refs, strict=True):
+            _assert_readable(store, engine, task, ref)
+    assert _rid_dirs(dump_dir) == []
