@@ -321,7 +321,7 @@ class Bridge:
                                          f"{self.marker_timeout:g}s")
         if status.error is not None:
             return capture_failure(task, f"the server could not dump rid {rid}: "
-                                         f"{status.error.get('reason')}")
+                                         f"{status.error.reason}")
         nbytes = RecordBuilder.nbytes(len(prompt), self.info)
         try:
             with self._slots, self._record_bufs.lend(nbytes) as buf:
