@@ -154,17 +154,21 @@ def test_done_marker_only_after_every_chunk(dump_dir: Path) -> None:
     stop = threading.Event()
 
     def watch() -> None:
-        while not stop.is_set():
-            for rid_dir in dump_dir.iterdir():
-                try:
-                    done = json.loads((rid_dir / protocol.DONE_MARKER).read_text())
-                except (FileNotFoundError, NotADirectoryError):
-                    continue
-                names = set(os.listdir(rid_dir))
-                missing = [c for c in done["chunks"] if protocol.chunk_filename(c) not in names]
-                if missing:
-                    seen_bad.append(f"{rid_dir.name}: {missing}")
-            time.sleep(0.001)
+        try:
+            while not stop.is_set():
+                for rid_dir in dump_dir.iterdir():
+                    try:
+                        done = json.loads((rid_dir / protocol.DONE_MARKER).read_text())
+                    except (FileNotFoundError, NotADirectoryError):
+                        continue
+                    names = set(os.listdir(rid_dir))
+                    missing = [c for c in done["chunks"]
+                               if protocol.chunk_filename(c) not in names]
+                    if missing:
+                        seen_bad.append(f"{rid_dir.name}: {missing}")
+                time.sleep(0.001)
+        except Exception as e:  # a watcher that died would check nothing: fail the test
+            seen_bad.append(f"the watcher stopped: {e!r}")
 
     watcher = threading.Thread(target=watch)
     watcher.start()
