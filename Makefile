@@ -11,6 +11,8 @@ help: ## List the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sort | \
 	  awk 'BEGIN {FS = ":.*## "}; {printf "  %-14s %s\n", $$1, $$2}'
 
+# No pip cache: a second copy of every wheel (GBs) on a disk that must also hold the test image.
+$(STAMP): export PIP_NO_CACHE_DIR = 1
 $(STAMP): pyproject.toml requirements-test.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -35,13 +37,16 @@ $(SPECFORGE_DIR): $(STAMP)
 prereqs: ## Install the system packages the tests need (scripts/prereqs.txt; root)
 	bash scripts/prereqs.sh
 
-test: prereqs $(STAMP) $(SPECFORGE_DIR) ## Run the whole test suite (real CPU SGLang servers; sets itself up)
+disk: ## Check, in seconds, that the disk can hold what `make test` builds (scripts/check_disk.py)
+	$(PYTHON) scripts/check_disk.py $(VENV)
+
+test: prereqs disk $(STAMP) $(SPECFORGE_DIR) ## Run the whole test suite (real CPU SGLang servers; sets itself up)
 	HSDUMP_SPECFORGE_PATH=$(abspath $(SPECFORGE_DIR)) $(PY) -m pytest -ra $(PYTEST_ARGS)
 
 lint: $(STAMP) ## ruff over the package, tests and scripts; the import contract (pyproject.toml)
 	$(VENV)/bin/ruff check hsdump_patch tests scripts
 	$(VENV)/bin/lint-imports
 
-.PHONY: help venv prereqs test lint
+.PHONY: help venv prereqs disk test lint
 
 -include mk/*.mk

@@ -19,8 +19,10 @@ import os
 import re
 import shlex
 import subprocess
+import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -258,3 +260,17 @@ def test_the_install_step_is_idempotent_and_names_what_is_missing():
                        text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "every system package" in r.stdout
+
+
+def test_make_test_checks_free_disk_before_installing():
+    """`make test` runs the disk check before the venv: too little room fails at once, naming
+    the file system and what to free, instead of pip's ENOSPC minutes later."""
+    order = subprocess.run(["make", "-n", "-B", "--no-print-directory", "test"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60, check=True).stdout
+    assert order.index("check_disk.py") < order.index("-m venv")
+    run = partial(subprocess.run, [sys.executable, "scripts/check_disk.py"], cwd=ROOT,
+                  capture_output=True, text=True, timeout=60)
+    short = run(env={**os.environ, "HSDUMP_MIN_FREE_GIB": str(1 << 20)})
+    assert short.returncode == 1 and "GiB free on the file system of" in short.stderr
+    assert "docker system prune" in short.stderr
+    assert run(env={**os.environ, "HSDUMP_MIN_FREE_GIB": "0"}).returncode == 0
