@@ -35,15 +35,18 @@ import argparse
 import contextlib
 import itertools
 import json
+import os
 import platform
 import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import load_file
 
@@ -59,21 +62,27 @@ from hsdump_patch.capture.writer import Chunk, DumpWriter
 
 VOCAB = 163_840  # Kimi-K2.5's vocabulary
 CONDITIONS = ("off", "on", "old")
-# --diagnose adds conditions that each leave out a part of "on" (their files are not checked):
-# pack0: the packing copies as before (bf16 strided copy_), nothing else; pack: the packing
-# copies (_ForwardState.store), no hand-off; nod2h: packing + every submit's host work, but no
-# device-to-host copy and no file; nowrite: all of "on" but the writer threads write no file.
-DIAGNOSTIC = ("pack0", "pack", "nod2h", "nowrite")
+# --diagnose adds conditions that each leave out or add a part of "on" (their files are not
+# checked): pack: the packing copies (_ForwardState.store), no hand-off; nod2h: packing + every
+# submit's host work, but no device-to-host copy and no file; nowrite: all of "on" but the
+# writer threads write no file; onsync / onflush: "on", but after each forward (untimed) the
+# copies / the copies and the writer threads finish, so nothing of the dump overlaps the next
+# forward; gil / mem: no dump, but at each forward's start 8 threads make the Python calls of
+# the writer threads (~15 syscalls each, GIL held between them) / copy a file's bytes in host
+# memory (GIL released): which of the two slows the forward.
+DIAGNOSTIC = ("pack", "nod2h", "nowrite", "onsync", "onflush", "gil", "mem")
 GOAL = 1.01
 
 # Per-device defaults: Kimi-K2.5 shapes on a GPU (61 layers, EAGLE-3 layers 2, 30, 58 plus the
 # final state, hidden 7168, bf16), tiny ones on CPU (the unit test).
 DEFAULTS = {
     "cuda": {"hidden": 7168, "layers": 61, "aux": "2,30,58", "chunks": "2048,8192,16384",
-             "us": "5,10,20,40", "requests": 8, "forwards": 3, "rounds": 1},
+             "us": "5,10,20,40", "requests": 8, "forwards": 1, "rounds": 8},
     "cpu": {"hidden": 64, "layers": 6, "aux": "1,3", "chunks": "32,64", "us": "100",
             "requests": 3, "forwards": 3, "rounds": 1},
 }
+# Layers at which --diagnose records the host's enqueue time and the device's start time.
+TIMELINE = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)
 
 
 class Model:
@@ -110,12 +119,53 @@ class Model:
         torch.remainder(self._t * 31 + forward, VOCAB, out=self.ids)
 
 
-def expected_hidden(rows: range, slots: int, hidden: int, forward: int) -> torch.Tensor:
-    """The pattern of ``Model.fill`` on the host, ``[len(rows), slots, hidden]`` float32."""
-    t = torch.arange(rows.start, rows.stop, dtype=torch.int64)
-    s = torch.arange(slots)
+def expected_hidden(rows: range, slots: int, hidden: int, forward: int,
+                    device: torch.device | None = None) -> torch.Tensor:
+    """The pattern of ``Model.fill``, ``[len(rows), slots, hidden]`` float32 on ``device``."""
+    t = torch.arange(rows.start, rows.stop, dtype=torch.int64, device=device)
+    s = torch.arange(slots, device=device)
     row = (t[:, None] * 7 + s[None, :] * 11 + forward * 13) % 97
-    return row[:, :, None].float() + (torch.arange(hidden) % 101).float()[None, None, :]
+    col = (torch.arange(hidden, device=device) % 101).float()
+    return row[:, :, None].float() + col[None, None, :]
+
+
+class Noise:
+    """Threads that, at each forward's start (``trigger``), load the forward thread the way
+    the writer threads do, without a dump: ``gil``: the Python calls of writing one file each
+    (~15 syscalls, the GIL taken back after each); ``mem``: copy one file's bytes into fresh
+    host memory each (numpy releases the GIL: only cores and memory bandwidth are shared)."""
+
+    def __init__(self, threads: int, nbytes: int, where: Path) -> None:
+        self.kind, self.where, self.nbytes = "", where, nbytes
+        self.src = np.ones(nbytes, np.uint8)
+        self.go = [threading.Semaphore(0) for _ in range(threads)]
+        self.done = threading.Semaphore(0)
+        self.pending = 0
+        for i in range(threads):
+            threading.Thread(target=self._run, args=(i,), daemon=True).start()
+
+    def trigger(self, kind: str) -> None:
+        self.kind = kind
+        self.pending += len(self.go)
+        for g in self.go:
+            g.release()
+
+    def settle(self) -> None:
+        while self.pending:
+            self.done.acquire()
+            self.pending -= 1
+
+    def _run(self, i: int) -> None:
+        while True:
+            self.go[i].acquire()
+            if self.kind == "gil":
+                for k in range(15):
+                    os.stat(self.where)
+                    _ = [str(k) for _ in range(20)]  # the bookkeeping between the calls
+            else:
+                dst = np.empty(self.nbytes, np.uint8)  # fresh pages, as a tmpfs write
+                np.copyto(dst, self.src)
+            self.done.release()
 
 
 @dataclass
@@ -126,6 +176,8 @@ class Sample:
     host_wait_ms: float  # the forward thread blocked in the hand-off (in-flight cap)
     handoff_ms: float  # host time of the hand-off
     enqueue_ms: float = 0.0  # host time to enqueue the layers (before the hand-off)
+    host_at: list[float] = field(default_factory=list)  # --diagnose: host ms at TIMELINE layers
+    dev_at: list[float] = field(default_factory=list)  # device ms at their start
 
 
 @dataclass
@@ -152,6 +204,7 @@ class Bench:
         self.verified_values = 0
         self.verified_files = 0
         self.errors: list[str] = []
+        self.noise: Noise | None = None  # --diagnose: made per point (its bytes per file)
 
     # ---------------------------------------------------------------- one forward
 
@@ -161,26 +214,32 @@ class Bench:
         return [(a, b) for a, b in itertools.pairwise(cuts) if b > a]
 
     def forward(self, model: Model, buffers: CaptureBuffers | None, tag: str,
-                plain: torch.Tensor | None = None) -> tuple[Sample, int]:
+                noise: str = "") -> tuple[Sample, int]:
         """One forward (dumped when ``buffers`` is given; ``tag`` "pack" stores without a
-        hand-off; ``plain``: only a bf16 strided copy into it); return its sample and number."""
+        hand-off; ``noise``: the :class:`Noise` kind to trigger at its start); return its
+        sample and number."""
         f = self.forward_no = self.forward_no + 1
         ev = (lambda: torch.cuda.Event(enable_timing=True)) if self.cuda else None
         marks: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        timeline = self.args.diagnose and ev is not None
+        at: list[tuple[float, torch.cuda.Event]] = []
         wait0 = self.writer.stats.forward_wait_s
         t0 = time.perf_counter()
         start = ev() if ev else None
         if start is not None:
             start.record()
+        if noise:
+            self.noise.trigger(noise)
         model.embed(f)
         state = _ForwardState(buffers, None, model.tokens) if buffers is not None else None
         slot_of = {layer: slot for slot, layer in enumerate(self.aux)}
         for i in range(model.layers):
+            if timeline and i in TIMELINE:
+                at.append((time.perf_counter(), ev()))
+                at[-1][1].record()
             slot = slot_of.get(i)
             if slot is not None:
                 model.fill(model.x, f, slot)
-                if plain is not None:
-                    plain[: model.tokens, slot].copy_(model.x)
                 if state is not None:
                     a, b = (ev(), ev()) if ev else (None, None)
                     if a is not None:
@@ -209,7 +268,12 @@ class Bench:
             times = [a.elapsed_time(b) for a, b in marks]
             stall = max(0.0, times[0] - statistics.median(times[1:]))
         host = (self.writer.stats.forward_wait_s - wait0) * 1e3
-        return Sample(wall, gpu, stall, host, handoff, (t1 - t0) * 1e3), f
+        sample = Sample(wall, gpu, stall, host, handoff, (t1 - t0) * 1e3)
+        if at:
+            assert start is not None
+            sample.host_at = [(t - t0) * 1e3 for t, _ in at]
+            sample.dev_at = [start.elapsed_time(e) for _, e in at]
+        return sample, f
 
     def hand_off(self, state: _ForwardState, model: Model, f: int, tag: str) -> None:
         """What ``CaptureSession._hand_off`` does, for one request per row range."""
@@ -251,8 +315,9 @@ class Bench:
                     if not (d / protocol.DONE_MARKER).is_file():
                         raise RuntimeError(f"no {protocol.DONE_MARKER}")
                     t = load_file(d / protocol.chunk_filename(0))
-                    hidden = t[protocol.HIDDEN_KEY]
-                    want = expected_hidden(range(a, b), self.slots, model.hidden, f)
+                    hidden = t[protocol.HIDDEN_KEY].to(self.device)  # compared on the device
+                    want = expected_hidden(range(a, b), self.slots, model.hidden, f,
+                                           self.device)
                     if hidden.shape != want.shape or not torch.equal(hidden.float(), want):
                         raise RuntimeError("hidden states differ from the forward's")
                     ids = (torch.arange(a, b) * 31 + f) % VOCAB
@@ -350,43 +415,63 @@ class Bench:
                   flush=True)
         self.discard(model, [("prof", f) for f in range(self.forward_no - 8, self.forward_no + 1)])
 
+    def after(self, cond: str) -> None:
+        """Untimed, after each forward of ``cond``: onsync lets the copies finish, onflush the
+        copies and the writer threads."""
+        if cond == "onsync" and self.writer._side_stream is not None:
+            self.writer._side_stream.synchronize()
+        elif cond == "onflush" and not self.writer.flush(timeout=600):
+            self.errors.append("the writer did not drain in 600 s")
+
     def point(self, tokens: int, us: float) -> Point:
+        """Measure one point: per ABBA round, each condition runs one block of ``--warmup``
+        untimed forwards then ``--forwards`` timed ones (so every timed forward follows one of
+        its own condition, as in steady state), from an idle writer (drained and checked
+        between blocks, untimed). With one timed forward per block the conditions alternate
+        forward by forward, so the drift of the machine cancels to well under 1%."""
         model, inner = self.calibrate(tokens, us)
         p = Point(tokens, us, inner)
         conds = CONDITIONS + (DIAGNOSTIC if self.args.diagnose else ())
         abba = conds + conds[::-1]
         p.samples = {c: [] for c in conds}
-        plain = None
-        if self.args.diagnose and self.cuda:
-            print(f"## packing copy us, {tokens} tokens: {self.pack_micro(tokens)}", flush=True)
-        if "pack0" in conds:
-            plain = torch.empty(tokens, self.slots, model.hidden, dtype=torch.bfloat16,
-                                device=self.device)
+        if self.args.diagnose:
+            if self.cuda:
+                print(f"## packing copy us, {tokens} tokens: {self.pack_micro(tokens)}",
+                      flush=True)
+            per_file = tokens // len(self.bounds(tokens)) * self.slots * model.hidden * 2
+            self.noise = Noise(self.args.threads, per_file, self.args.dump_dir)
         buffers = {"on": CaptureBuffers(self.writer, self.slots, model.hidden, torch.bfloat16,
                                         self.device, CAPTURE_BUFFERS),
                    "old": CaptureBuffers(self.writer, self.slots, model.hidden, torch.bfloat16,
                                          self.device, 1)}
         for b in buffers.values():
             b.reserve(tokens)
+        dumping = ("on", "pack", "nod2h", "nowrite", "onsync", "onflush")
         for _ in range(self.args.rounds):
             for cond in abba:
-                buf = buffers.get(cond, buffers["on"] if cond in DIAGNOSTIC[1:] else None)
+                buf = buffers["old"] if cond == "old" else (
+                    buffers["on"] if cond in dumping else None)
+                noise = cond if cond in ("gil", "mem") else ""
                 dumped = []
                 with self.leaving_out(cond):
-                    for k in range(self.args.forwards + 1):  # the first one warms up the block
-                        sample, f = self.forward(model, buf, cond,
-                                                 plain if cond == "pack0" else None)
+                    for k in range(self.args.warmup + self.args.forwards):
+                        sample, f = self.forward(model, buf, cond, noise)
                         if buf is not None:
                             dumped.append((cond, f))
-                        if k:
+                        if k >= self.args.warmup:
                             p.samples[cond].append(sample)
+                        self.after(cond)
+                if self.noise is not None:
+                    self.noise.settle()
                 if cond in DIAGNOSTIC:
                     self.discard(model, dumped)
                 else:
                     self.verify(model, dumped)  # also drains the writer before the next block
+                if buf is not None and self.cuda:
+                    self.writer._side_stream.synchronize()
         if self.args.profile and self.cuda:
             self.profile(model, buffers["on"])
-        del model, buffers, plain
+        del model, buffers
         if self.cuda:
             torch.cuda.empty_cache()
         return p
@@ -419,8 +504,21 @@ def table(points: list[Point]) -> list[dict]:
                 rows[-1][f"diag_{c}"] = {
                     "ms": round(p.median(c), 2), "vs_off": round(p.median(c) / off, 4),
                     "gpu_ms": round(p.median(c, "gpu_ms"), 2),
-                    "handoff_ms": round(p.median(c, "handoff_ms"), 3)}
+                    "handoff_ms": round(p.median(c, "handoff_ms"), 3),
+                    "enqueue_ms": round(p.median(c, "enqueue_ms"), 3)}
+        timeline = {c: {"host_ms": _medians(p.samples[c], "host_at"),
+                        "device_ms": _medians(p.samples[c], "dev_at")}
+                    for c in p.samples if p.samples[c] and p.samples[c][0].host_at}
+        if timeline:
+            rows[-1]["timeline_layers"] = list(TIMELINE)
+            rows[-1]["timeline"] = timeline
     return rows
+
+
+def _medians(samples: list[Sample], attr: str) -> list[float]:
+    """Per position, the median over ``samples`` of the list ``attr``."""
+    return [round(statistics.median(v), 3) for v in zip(*(getattr(s, attr) for s in samples),
+                                                        strict=True)]
 
 
 def print_table(rows: list[dict]) -> None:
@@ -443,7 +541,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="where the forward runs (default: cuda if available, else cpu)")
     for name, help_ in (("hidden", "hidden size"), ("layers", "decoder layers"),
                         ("requests", "requests per forward (each a file)"),
-                        ("forwards", "timed forwards per block (plus one warm-up)"),
+                        ("forwards", "timed forwards per block (after --warmup untimed ones)"),
                         ("rounds", "ABBA rounds (samples per condition: 2 x rounds x forwards)")):
         ap.add_argument(f"--{name}", type=int, default=None,
                         help=f"{help_} (default: {DEFAULTS['cuda'][name]} on cuda, "
@@ -455,6 +553,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.add_argument(f"--{name}", default=None,
                         help=f"{help_} (default: {DEFAULTS['cuda'][key]} on cuda, "
                              f"{DEFAULTS['cpu'][key]} on cpu)")
+    ap.add_argument("--warmup", type=int, default=1,
+                    help="untimed forwards at the start of each block (default: 1)")
     ap.add_argument("--threads", type=int, default=config.DEFAULT_WRITER_THREADS,
                     help=f"writer threads (default: {config.DEFAULT_WRITER_THREADS})")
     ap.add_argument("--cap", type=int, default=config.DEFAULT_MAX_INFLIGHT,
@@ -467,9 +567,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--json", type=Path, default=None, help="write the results here "
                     "(default: none)")
     ap.add_argument("--diagnose", action="store_true",
-                    help="also measure conditions that each leave out one part of the dump "
-                         f"({', '.join(DIAGNOSTIC)}; see the source) and time the packing "
-                         "copy alone (default: off)")
+                    help="also measure conditions that each leave out or add one part of the "
+                         f"dump ({', '.join(DIAGNOSTIC)}; see the source), record the host's "
+                         "enqueue time and the device's time at a few layers of every forward "
+                         "and time the packing copy alone (default: off)")
     ap.add_argument("--profile", action="store_true",
                     help="print torch.profiler's device time per kernel for 3 forwards on "
                          "and off at each point (default: off)")
@@ -482,6 +583,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       ("chunks", "chunks"), ("us_per_token", "us")):
         if getattr(args, name) is None:
             setattr(args, name, d[key])
+    if args.warmup < 0:
+        ap.error("--warmup must be >= 0")
     if 2 * args.rounds * args.forwards < 5:
         ap.error("fewer than 5 samples per condition: raise --forwards or --rounds")
     return args
