@@ -19,6 +19,7 @@ names starting with ``.`` are in-progress temp files and never part of the proto
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -140,9 +141,16 @@ def parse_chunk_filename(name: str) -> int | None:
     return int(digits) if digits.isdigit() else None
 
 
+_TEMP_SALT = os.urandom(4).hex()  # with the pid: no other process's temp names
+_TEMP_IDS = itertools.count()  # next() is atomic: no other thread's temp names
+
+
 def temp_path(final: Path) -> Path:
-    """Return a unique hidden temp name beside ``final`` (same filesystem, so rename is atomic)."""
-    return final.with_name(f".{final.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}")
+    """Return a unique hidden temp name beside ``final`` (same filesystem, so rename is atomic).
+
+    No system call: the capture writer's threads make one per file, and each call is a GIL
+    hand-over that can delay the forward thread."""
+    return final.with_name(f".{final.name}.tmp-{os.getpid()}-{_TEMP_SALT}{next(_TEMP_IDS):x}")
 
 
 def make_private_dir(path: Path) -> None:
@@ -154,11 +162,15 @@ def make_private_dir(path: Path) -> None:
 
 def write_json_atomic(path: Path, payload: Mapping[str, Any]) -> None:
     """Write a small JSON file atomically with mode 0600."""
+    data = memoryview(json.dumps(payload, sort_keys=True).encode())
     tmp = temp_path(path)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(payload, f, sort_keys=True)
+        try:  # raw writes: 4 system calls in all (a file object adds fstat, ioctl, ...)
+            while data:
+                data = data[os.write(fd, data) :]
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

@@ -52,6 +52,7 @@ from safetensors.torch import load_file
 
 from hsdump_patch import protocol
 from hsdump_patch.capture import config
+from hsdump_patch.capture import writer as writer_module
 from hsdump_patch.capture.session import (
     CAPTURE_BUFFERS,
     CaptureBuffers,
@@ -69,15 +70,18 @@ CONDITIONS = ("off", "on", "old")
 # copies / the copies and the writer threads finish, so nothing of the dump overlaps the next
 # forward; gil / mem: no dump, but at each forward's start 8 threads make the Python calls of
 # the writer threads (~15 syscalls each, GIL held between them) / copy a file's bytes in host
-# memory (GIL released): which of the two slows the forward.
-DIAGNOSTIC = ("pack", "nod2h", "nowrite", "onsync", "onflush", "gil", "mem")
+# memory (GIL released): which of the two slows the forward; prev: "on" with the writer's and
+# the session's system calls and buffer acquisition as before 2026-12-02 05:00 UTC (4 pages
+# per pwritev, mkdir + stat per request, markers through a file object, the buffer taken at
+# the first captured layer).
+DIAGNOSTIC = ("pack", "nod2h", "nowrite", "onsync", "onflush", "gil", "mem", "prev")
 GOAL = 1.01
 
 # Per-device defaults: Kimi-K2.5 shapes on a GPU (61 layers, EAGLE-3 layers 2, 30, 58 plus the
 # final state, hidden 7168, bf16), tiny ones on CPU (the unit test).
 DEFAULTS = {
     "cuda": {"hidden": 7168, "layers": 61, "aux": "2,30,58", "chunks": "2048,8192,16384",
-             "us": "5,10,20,40", "requests": 8, "forwards": 1, "rounds": 8},
+             "us": "5,10,20,40", "requests": 8, "forwards": 1, "rounds": 5},
     "cpu": {"hidden": 64, "layers": 6, "aux": "1,3", "chunks": "32,64", "us": "100",
             "requests": 3, "forwards": 3, "rounds": 1},
 }
@@ -127,6 +131,15 @@ def expected_hidden(rows: range, slots: int, hidden: int, forward: int,
     row = (t[:, None] * 7 + s[None, :] * 11 + forward * 13) % 97
     col = (torch.arange(hidden, device=device) % 101).float()
     return row[:, :, None].float() + col[None, None, :]
+
+
+def _prev_write_json_atomic(path: Path, payload: dict) -> None:
+    """``protocol.write_json_atomic`` before 2026-12-02 (for the ``prev`` condition)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, protocol.FILE_MODE)
+    with os.fdopen(fd, "w") as f:
+        json.dump(payload, f, sort_keys=True)
+    os.replace(tmp, path)
 
 
 class Noise:
@@ -230,8 +243,12 @@ class Bench:
             start.record()
         if noise:
             self.noise.trigger(noise)
+        # The pre-hook: the state takes its buffer before the first layer ("prev": at the
+        # first captured layer, as before).
+        late = tag == "prev"
+        state = (_ForwardState(buffers, None, model.tokens)
+                 if buffers is not None and not late else None)
         model.embed(f)
-        state = _ForwardState(buffers, None, model.tokens) if buffers is not None else None
         slot_of = {layer: slot for slot, layer in enumerate(self.aux)}
         for i in range(model.layers):
             if timeline and i in TIMELINE:
@@ -240,14 +257,17 @@ class Bench:
             slot = slot_of.get(i)
             if slot is not None:
                 model.fill(model.x, f, slot)
+                # Events around the store in every condition (their host time is the same).
+                a, b = (ev(), ev()) if ev else (None, None)
+                if a is not None:
+                    a.record()
+                if late and state is None:
+                    state = _ForwardState(buffers, None, model.tokens)
                 if state is not None:
-                    a, b = (ev(), ev()) if ev else (None, None)
-                    if a is not None:
-                        a.record()
                     state.store(slot, model.x)
-                    if b is not None:
-                        b.record()
-                        marks.append((a, b))
+                if a is not None and b is not None:
+                    b.record()
+                    marks.append((a, b))
             model.layer()
         model.fill(model.final, f, self.slots - 1)  # the final norm's output
         t1 = time.perf_counter()
@@ -360,6 +380,13 @@ class Bench:
         """For a diagnostic condition: the writer stages no copy (nod2h) and writes no file
         (nod2h, nowrite); it still waits for the copies and writes the markers."""
         w = self.writer
+        undo: list[tuple[object, str, object]] = []
+        if cond == "prev":
+            for obj, name, value in ((writer_module, "_PAGES_PER_WRITE", 4),
+                                     (w, "_umask_owner_ok", False),
+                                     (protocol, "write_json_atomic", _prev_write_json_atomic)):
+                undo.append((obj, name, getattr(obj, name)))
+                setattr(obj, name, value)
         if cond in ("nod2h", "nowrite"):
             w._write_file = lambda job: job.ready.synchronize() if job.ready is not None else None
         if cond == "nod2h":
@@ -369,6 +396,8 @@ class Bench:
         finally:
             for name in ("_write_file", "_stage"):
                 w.__dict__.pop(name, None)
+            for obj, name, value in undo:
+                setattr(obj, name, value)
 
     def discard(self, model: Model, dumped: list[tuple[str, int]]) -> None:
         """Drain the writer and remove the marker folders of a diagnostic condition."""
@@ -446,7 +475,7 @@ class Bench:
                                          self.device, 1)}
         for b in buffers.values():
             b.reserve(tokens)
-        dumping = ("on", "pack", "nod2h", "nowrite", "onsync", "onflush")
+        dumping = ("on", "pack", "nod2h", "nowrite", "onsync", "onflush", "prev")
         for _ in range(self.args.rounds):
             for cond in abba:
                 buf = buffers["old"] if cond == "old" else (
@@ -498,6 +527,10 @@ def table(points: list[Point]) -> list[dict]:
             "enqueue_on_ms": round(p.median("on", "enqueue_ms"), 3),
             "enqueue_off_ms": round(p.median("off", "enqueue_ms"), 3),
             "samples": {c: len(p.samples[c]) for c in CONDITIONS},
+            # Forward i of a condition and forward i of "off" ran in the same ABBA round at
+            # mirrored places: their ratios, paired, show the spread the medians stand on.
+            "on_vs_off_paired": _paired(p, "on"),
+            "old_vs_off_paired": _paired(p, "old"),
         })
         for c in p.samples:
             if c not in CONDITIONS:
@@ -515,6 +548,15 @@ def table(points: list[Point]) -> list[dict]:
     return rows
 
 
+def _paired(p: Point, cond: str) -> dict[str, float]:
+    """Median and quartiles of ``cond``'s wall time over ``off``'s, forward by forward."""
+    r = sorted(a.wall_ms / b.wall_ms for a, b in zip(p.samples[cond], p.samples["off"],
+                                                     strict=True))
+    q = statistics.quantiles(r, n=4) if len(r) > 1 else [r[0]] * 3
+    return {"median": round(statistics.median(r), 4), "q1": round(q[0], 4),
+            "q3": round(q[2], 4)}
+
+
 def _medians(samples: list[Sample], attr: str) -> list[float]:
     """Per position, the median over ``samples`` of the list ``attr``."""
     return [round(statistics.median(v), 3) for v in zip(*(getattr(s, attr) for s in samples),
@@ -524,14 +566,16 @@ def _medians(samples: list[Sample], attr: str) -> list[float]:
 def print_table(rows: list[dict]) -> None:
     print("| tokens | us/token (off) | off ms | on ms (2 buffers) | on/off | old ms (1 buffer) "
           "| old/off | first-capture stall ms on / old | max host wait ms on "
-          "| device ms off / on / old | hand-off host ms on |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| device ms off / on / old | hand-off host ms on | on/off paired: median (q1-q3) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        pr = r["on_vs_off_paired"]
         print(f"| {r['tokens']} | {r['us_per_token_off']:.1f} | {r['off_ms']:.2f} | "
               f"{r['on_ms']:.2f} | {r['on_vs_off']:.3f} | {r['old_ms']:.2f} | "
               f"{r['old_vs_off']:.3f} | {r['stall_on_ms']:.2f} / {r['stall_old_ms']:.2f} | "
               f"{r['host_wait_on_ms']:.2f} | {r['gpu_off_ms']:.2f} / {r['gpu_on_ms']:.2f} / "
-              f"{r['gpu_old_ms']:.2f} | {r['handoff_on_ms']:.2f} |")
+              f"{r['gpu_old_ms']:.2f} | {r['handoff_on_ms']:.2f} | "
+              f"{pr['median']:.3f} ({pr['q1']:.3f}-{pr['q3']:.3f}) |")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

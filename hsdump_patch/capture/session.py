@@ -66,7 +66,11 @@ class CaptureNotInstalled(RuntimeError):
 
 
 class _ForwardState:
-    """What one dumped forward has captured so far (rows packed as ``[T, S, H]``)."""
+    """What one dumped forward has captured so far (rows packed as ``[T, S, H]``).
+
+    Made in the forward pre-hook, where it takes its capture buffer: the first layers of a
+    prefill forward are host-bound (the device has no queued work yet), so host work at the
+    first captured layer would add to the forward's device time (issue 17)."""
 
     def __init__(self, buffers: CaptureBuffers | None, forward_batch: Any, rows: int) -> None:
         self.buffers = buffers  # None on a non-writer rank: nothing is stored
@@ -76,16 +80,19 @@ class _ForwardState:
         self.captured: set[int] = set()
         self.error: str | None = None
         self.dumped_rows: frozenset[int] = frozenset()  # batch rows (requests) to hand off
+        if buffers is not None:
+            try:
+                self.buf = buffers.acquire(rows)
+            except Exception as e:  # runs in the forward pre-hook: it must never raise
+                self.error = f"taking the capture buffer failed: {type(e).__name__}: {e}"
 
     def store(self, slot: int, tensor: torch.Tensor) -> None:
         # Runs inside SGLang's layer code: it must never raise.
-        if self.buffers is None or self.error is not None:
+        if self.buf is None or self.error is not None:
             return
         try:
             if tensor.shape[0] < self.rows:
                 raise ValueError(f"captured {tensor.shape[0]} rows, the batch has {self.rows}")
-            if self.buf is None:
-                self.buf = self.buffers.acquire(self.rows)
             copy_rows(self.buf[:, slot], tensor[: self.rows])
             self.captured.add(slot)
         except Exception as e:

@@ -43,9 +43,10 @@ from hsdump_patch import protocol
 logger = logging.getLogger("hsdump")
 
 PAGE_BYTES = 8 << 20  # staging page; 8 MiB keeps per-call overhead < 1%
-# Pages per pwritev: fewer calls means fewer GIL re-acquisitions by each writer thread, each of
-# which can wait behind the forward thread; written pages go back to the pool per call.
-_PAGES_PER_WRITE = 4
+# Pages per pwritev (up to 1 GiB, within IOV_MAX): a file in one call. Each system call of a
+# writer thread is a GIL hand-over that can delay the forward thread by the thread's Python
+# work, and the forward's first layers are host-bound (issue 17); pages go back per call.
+_PAGES_PER_WRITE = 128
 _MIN_PAGE_BYTES = 4 << 10
 _MIN_PAGES_PER_CAP = 16  # a small cap gets smaller pages, so several chunks still overlap
 _MAX_TRACKED_RIDS = 100_000
@@ -141,6 +142,7 @@ class DumpWriter:
         self.stats = WriterStats()
         self._cuda = device.type == "cuda"
         self._blocking_events = blocking_events
+        self._umask_owner_ok = _umask_keeps_owner_bits()
         # Resolved here, in the forward's thread: in another thread a bare "cuda" means GPU 0.
         self.device_index = bound_device_index(device, torch.cuda.current_device)
         self._side_stream = torch.cuda.Stream(device=device) if self._cuda else None
@@ -495,14 +497,20 @@ class DumpWriter:
         Writes to one file are serialized by the kernel (inode lock), so threads work on
         different files rather than on parts of one. Written pages go back to the pool at once.
         """
+        copied = False
         try:
-            if job.ready is not None:
-                job.ready.synchronize()
-            if not job.state.dir_made:  # fewer syscalls: each one is a GIL hand-over
-                protocol.make_private_dir(job.final.parent)
+            # Directory and file are made before the wait for the copy: a thread usually takes
+            # its job during the forward's hand-off, when the forward thread is far ahead of
+            # the device, while the copy ends early in the next forward, whose first layers are
+            # host-bound (each system call here is a GIL hand-over that can delay them).
+            if not job.state.dir_made:
+                self._make_dir(job.final.parent)
                 job.state.dir_made = True
             fd = os.open(job.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, protocol.FILE_MODE)
             try:
+                if job.ready is not None:
+                    job.ready.synchronize()
+                copied = True
                 for i in range(0, len(job.pages), _PAGES_PER_WRITE):
                     group = job.pages[i : i + _PAGES_PER_WRITE]
                     start = i * self.page_bytes
@@ -516,9 +524,23 @@ class DumpWriter:
             os.replace(job.tmp, job.final)
             return None
         except Exception as e:  # OSError, or a CUDA error from the copy
+            if not copied and job.ready is not None:  # no copy may land in released pages
+                with contextlib.suppress(Exception):
+                    job.ready.synchronize()
             with contextlib.suppress(OSError):
                 job.tmp.unlink(missing_ok=True)
             return f"{type(e).__name__}: {e}"
+
+    def _make_dir(self, path: Path) -> None:
+        """``protocol.make_private_dir`` in one system call for a new directory (its mode is
+        then exact unless the umask takes owner bits, checked once at start)."""
+        if self._umask_owner_ok:
+            try:
+                os.mkdir(path, protocol.DIR_MODE)
+                return
+            except OSError:  # it exists (tighten its mode) or a parent is missing
+                pass
+        protocol.make_private_dir(path)
 
     def _finish_request(self, job: _FileJob, failure: str | None) -> None:
         ok = failure is None
@@ -534,7 +556,7 @@ class DumpWriter:
                 state.error = state.error or f"writing chunk {job.prefix_len} failed: {failure}"
         if not ok:
             logger.error("hsdump: writing %s failed: %s", job.final, failure)
-        self._maybe_finish(job.rid, state)
+        self._maybe_finish(job.rid, state, job.final.parent)
 
     def _internal_error(
         self, rid: str, state: _RidState, prompt_len: int | None, reason: str
@@ -557,8 +579,9 @@ class DumpWriter:
             logger.error("hsdump: request %s cannot be dumped: %s", rid, reason)
         self._maybe_finish(rid, state)
 
-    def _maybe_finish(self, rid: str, state: _RidState) -> None:
-        """Write the done or error marker once nothing of the request is outstanding."""
+    def _maybe_finish(self, rid: str, state: _RidState, rid_dir: Path | None = None) -> None:
+        """Write the done or error marker once nothing of the request is outstanding
+        (``rid_dir``: the request's directory, when the caller knows it)."""
         with self._cond:
             if state.outstanding or state.marker_written or state.superseded:
                 return
@@ -580,7 +603,7 @@ class DumpWriter:
             else:
                 return
         try:
-            d = protocol.rid_dir(self.dump_dir, rid)
+            d = protocol.rid_dir(self.dump_dir, rid) if rid_dir is None else rid_dir
             if not state.dir_made:
                 protocol.make_private_dir(d)
             protocol.write_json_atomic(d / marker, payload)
@@ -605,6 +628,18 @@ def bound_device_index(device: torch.device, current: Callable[[], int]) -> int 
     if device.type != "cuda":
         return None
     return current() if device.index is None else device.index
+
+
+def _umask_keeps_owner_bits() -> bool:
+    """Whether the process umask (read without changing it) leaves a new 0700 directory 0700."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8) & 0o700 == 0
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
 
 
 def _page_bytes_for(max_inflight_bytes: int) -> int:
