@@ -20,7 +20,7 @@ Three conditions in one run, in ABBA order (``off, on, old, old, on, off`` per r
 (no capture), ``on`` (the shipped two buffers used in turn) and ``old`` (one buffer, the
 ordering before issue 17: each forward waits at its first capture for all of the previous
 forward's copies). Each forward's wall time is one sample; the table gives medians and the
-ratios to ``off``, the stream stall at the first capture, the host time blocked on the
+ratios to ``off``, the stream stall for earlier copies, the host time blocked on the
 in-flight cap and the host time of the hand-off per forward. Every dumped value (hidden states,
 ids, positions) is read back from the files and checked against what the forward produced; a
 failed check exits 1. ``--diagnose`` and ``--profile`` add a breakdown (see their help).
@@ -185,7 +185,7 @@ class Noise:
 class Sample:
     wall_ms: float
     gpu_ms: float
-    stall_ms: float  # extra stream time of the first capture over a later one (its wait)
+    stall_ms: float  # stream time of the buffer's wait for earlier copies (see forward)
     host_wait_ms: float  # the forward thread blocked in the hand-off (in-flight cap)
     handoff_ms: float  # host time of the hand-off
     enqueue_ms: float = 0.0  # host time to enqueue the layers (before the hand-off)
@@ -246,8 +246,13 @@ class Bench:
         # The pre-hook: the state takes its buffer before the first layer ("prev": at the
         # first captured layer, as before).
         late = tag == "prev"
+        pre = (ev(), ev()) if ev else None
+        if pre is not None:
+            pre[0].record()
         state = (_ForwardState(buffers, None, model.tokens)
                  if buffers is not None and not late else None)
+        if pre is not None:
+            pre[1].record()
         model.embed(f)
         slot_of = {layer: slot for slot, layer in enumerate(self.aux)}
         for i in range(model.layers):
@@ -283,10 +288,15 @@ class Bench:
             end.synchronize()  # the scheduler waits for the sampled tokens, not for the copies
         wall = (time.perf_counter() - t0) * 1e3
         gpu = start.elapsed_time(end) if start is not None and end is not None else wall
+        # The stall: the stream time of the pre-hook (where the buffer is taken and the stream
+        # waits for the copies of the forward that used it last) plus how much longer the
+        # first store took than a later one ("prev" takes the buffer there).
         stall = 0.0
+        if pre is not None:
+            stall = pre[0].elapsed_time(pre[1])
         if len(marks) > 1:
             times = [a.elapsed_time(b) for a, b in marks]
-            stall = max(0.0, times[0] - statistics.median(times[1:]))
+            stall += max(0.0, times[0] - statistics.median(times[1:]))
         host = (self.writer.stats.forward_wait_s - wait0) * 1e3
         sample = Sample(wall, gpu, stall, host, handoff, (t1 - t0) * 1e3)
         if at:
@@ -565,7 +575,7 @@ def _medians(samples: list[Sample], attr: str) -> list[float]:
 
 def print_table(rows: list[dict]) -> None:
     print("| tokens | us/token (off) | off ms | on ms (2 buffers) | on/off | old ms (1 buffer) "
-          "| old/off | first-capture stall ms on / old | max host wait ms on "
+          "| old/off | copy-wait stall ms on / old | max host wait ms on "
           "| device ms off / on / old | hand-off host ms on | on/off paired: median (q1-q3) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:

@@ -25,7 +25,7 @@ def test_bench_forward_cpu_checks_every_dumped_value(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     header = next(line for line in proc.stdout.splitlines() if line.startswith("| tokens"))
-    for col in ("on/off", "old/off", "first-capture stall", "max host wait"):
+    for col in ("on/off", "old/off", "copy-wait stall", "max host wait"):
         assert col in header
     result = json.loads(out.read_text())
     assert result["errors"] == []
