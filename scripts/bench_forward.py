@@ -6,8 +6,8 @@ that the forward takes about ``--us-per-token`` microseconds per token) is run w
 off, and on through the project's own capture code, driven in the order
 ``hsdump_patch/capture/session.py`` uses:
 
-* at the first captured layer the forward's ``_ForwardState`` acquires a
-  :class:`~hsdump_patch.capture.session.CaptureBuffers` buffer (which orders the fill after
+* before the first layer (the pre-hook) the forward's ``_ForwardState`` takes a
+  :class:`~hsdump_patch.capture.session.CaptureBuffers` buffer (which orders the stream after
   the copies of the forward that used that buffer last), and every captured layer and the
   final state copy their rows into it (``_ForwardState.store``);
 * after the last layer every request's rows (plus ``input_ids`` and ``positions``) are
@@ -18,12 +18,15 @@ off, and on through the project's own capture code, driven in the order
 
 Three conditions in one run, in ABBA order (``off, on, old, old, on, off`` per round): ``off``
 (no capture), ``on`` (the shipped two buffers used in turn) and ``old`` (one buffer, the
-ordering before issue 17: each forward waits at its first capture for all of the previous
-forward's copies). Each forward's wall time is one sample; the table gives medians and the
-ratios to ``off``, the stream stall for earlier copies, the host time blocked on the
-in-flight cap and the host time of the hand-off per forward. Every dumped value (hidden states,
-ids, positions) is read back from the files and checked against what the forward produced; a
-failed check exits 1. ``--diagnose`` and ``--profile`` add a breakdown (see their help).
+ordering before issue 17: each forward waits for all of the previous forward's copies). Each
+block is ``--warmup`` untimed forwards then ``--forwards`` timed ones (default 1 + 1: the
+conditions alternate forward by forward, and each timed forward follows one of its own
+condition). Each timed forward's wall time is one sample; the table gives medians, the
+ratios to ``off`` (also paired forward by forward), the stream stall for earlier copies, the
+host time blocked on the in-flight cap and the host time of the hand-off per forward. Every
+dumped value (hidden states, ids, positions) is read back from the files and checked against
+what the forward produced; a failed check exits 1. ``--diagnose`` and ``--profile`` add a
+breakdown (see their help).
 
     python scripts/bench_forward.py                  # cuda: Kimi-K2.5 shapes into /dev/shm
     python scripts/bench_forward.py --device cpu     # tiny shapes, a smoke test anywhere
