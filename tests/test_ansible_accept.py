@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.fixtures_ansible import ONE_HOST, _debian_image, _docker
+from tests.fixtures_ansible import CASES, ONE_HOST, _debian_image, _docker
 
 W_NAME, W_VALUE = 25, 46  # dcgmi's table: "| <name:25> | <value:46> |", messages cut at 45
 
@@ -236,6 +236,58 @@ def test_accept_failures_stop_the_run_naming_the_fix(ansible, docker_engine, tmp
     assert "systemctl enable --now nvidia-dcgm" in flat
     assert "NCCL: all_reduce_perf failed (exit 1)" in flat
     assert "Test NCCL failure common.cu:1279 'unhandled cuda error" in flat
+
+
+# NVIDIA's CUDA repository as a flat file: repository holding an empty package named like
+# DCGM 4's (datacenter-gpu-manager-4-cuda13), and a cuda-keyring package that adds it.
+DCGM_REPO = r"""
+set -e
+pkg() {  # name version out.deb [file to ship]
+  d=$(mktemp -d); mkdir -p $d/DEBIAN
+  printf 'Package: %s\nVersion: %s\nArchitecture: all\nMaintainer: t\nDescription: t\n' $1 $2 \
+    > $d/DEBIAN/control
+  if [ -n "$4" ]; then mkdir -p $d$(dirname $4); echo "$5" > $d$4; fi
+  dpkg-deb -b $d $3 >/dev/null; rm -rf $d
+}
+mkdir -p /srv/repo && cd /srv/repo
+pkg datacenter-gpu-manager-4-cuda13 1:4.2.3-1 dcgm.deb
+{ dpkg-deb -f dcgm.deb; echo "Filename: ./dcgm.deb"; echo "Size: $(stat -c %s dcgm.deb)"
+  echo "SHA256: $(sha256sum dcgm.deb | cut -d' ' -f1)"; } > Packages
+pkg cuda-keyring 1.1-1 /srv/cuda-keyring.deb /etc/apt/sources.list.d/cuda.list \
+  "deb [trusted=yes] file:/srv/repo ./"
+"""
+
+
+def test_dcgm_installed_from_the_cuda_repository(ansible, docker_engine, tmp_path):
+    """hsdump_dcgm on a Debian container: --check is clean on the fresh host; the run adds the
+    CUDA repository (cuda-keyring) and installs datacenter-gpu-manager-4-cuda13 from it; a
+    second run changes nothing."""
+    name = f"hsdump-dcgm-{uuid.uuid4().hex[:8]}"
+    _docker("run", "-d", "--name", name, "--network", "host", _debian_image(), "sleep", "infinity")
+    inventory = tmp_path / "inventory.yml"
+    inventory.write_text(yaml.safe_dump({"all": {"children": {"hsdump_hosts": {
+        "hosts": {"dcgm-host": {"ansible_host": name}},
+        "vars": {"ansible_connection": "community.docker.docker", "ansible_become": False,
+                 "ansible_python_interpreter": "/usr/bin/python3"}}}}}))
+    v = {"hsdump_dcgm_install": True, "hsdump_dcgm_manage_services": False,
+         "hsdump_dcgm_cuda_keyring_url": "/srv/cuda-keyring.deb"}
+    try:
+        # python3-apt, which Ubuntu's server images ship (the apt module's --check needs it).
+        _docker("exec", name, "sh", "-c", "apt-get update -qq && apt-get install -qq -y"
+                " python3-apt >/dev/null && " + DCGM_REPO)
+        check = ansible.playbook(CASES / "dcgm.yml", inventory, extra=v, check=True)
+        check.assert_ok("dcgm.yml --check on a fresh host")
+        first = ansible.playbook(CASES / "dcgm.yml", inventory, extra=v)
+        first.assert_ok("dcgm.yml")
+        installed = _docker("exec", name, "dpkg-query", "-W", "-f=${Version}",
+                            "datacenter-gpu-manager-4-cuda13", check=False)
+        second = ansible.playbook(CASES / "dcgm.yml", inventory, extra=v)
+    finally:
+        _docker("rm", "-f", name, check=False)
+    assert first.recap()["dcgm-host"]["changed"] == 2, first.output[-3000:]
+    assert installed == "1:4.2.3-1"
+    second.assert_ok("dcgm.yml, second run")
+    assert second.recap()["dcgm-host"]["changed"] == 0, second.output[-3000:]
 
 
 # ----------------------------------------------------------------------------- upgrade.yml
