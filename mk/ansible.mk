@@ -13,9 +13,9 @@ ansible-venv: $(ANSIBLE_STAMP) ## Install ansible + ansible-lint into .venv-ansi
 
 ansible-lint: $(ANSIBLE_STAMP) ## ansible-lint (production profile, offline) and --syntax-check
 	cd ansible && $(ANSIBLE_BIN)/ansible-lint
-	cd ansible && $(ANSIBLE_BIN)/ansible-playbook --syntax-check deploy.yml teardown.yml extract.yml verify.yml
+	cd ansible && $(ANSIBLE_BIN)/ansible-playbook --syntax-check deploy.yml teardown.yml extract.yml verify.yml upgrade.yml
 
 ansible-test: $(STAMP) $(ANSIBLE_STAMP) ## The Ansible tests (real runs against this machine)
-	$(PY) -m pytest -ra tests/test_ansible.py $(PYTEST_ARGS)
+	$(PY) -m pytest -ra tests/test_ansible.py tests/test_ansible_accept.py $(PYTEST_ARGS)
 
 .PHONY: ansible-venv ansible-lint ansible-test

@@ -19,7 +19,7 @@ import pytest
 
 from tests.harness import server as srv
 
-pytest_plugins = ["tests.fixtures_image"]
+pytest_plugins = ["tests.fixtures_image", "tests.fixtures_ansible"]
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
