@@ -10,6 +10,7 @@ through its own ``post_fn`` seam, and every ref is read back with SpecForge's
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import socket
@@ -60,15 +61,14 @@ def _wait_port(port: int, proc: subprocess.Popen, what: str) -> None:
     raise RuntimeError(f"{what} did not listen on {port} within 30s")
 
 
-@pytest.fixture(scope="module")
-def mooncake(tmp_path_factory) -> Iterator[dict[str, str]]:
-    """A Mooncake master and HTTP metadata server on localhost; their endpoints."""
+@contextlib.contextmanager
+def local_mooncake(logs: Path) -> Iterator[dict[str, str]]:
+    """A Mooncake master and HTTP metadata server on free localhost ports (their logs under
+    ``logs``), stopped on exit; their endpoints."""
     spec = importlib.util.find_spec("mooncake")
     require(spec is not None and spec.origin is not None,
             "mooncake-transfer-engine-non-cuda importable (requirements-test.txt)")
-    specforge_on_path()
     package = Path(spec.origin).parent
-    logs = tmp_path_factory.mktemp("mooncake")
     rpc, metrics, meta = _free_port(), _free_port(), _free_port()
     with open(logs / "master.log", "w") as master_log, \
             open(logs / "metadata.log", "w") as meta_log:
@@ -90,6 +90,14 @@ def mooncake(tmp_path_factory) -> Iterator[dict[str, str]]:
             for p in procs:
                 p.terminate()
                 p.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def mooncake(tmp_path_factory) -> Iterator[dict[str, str]]:
+    """A Mooncake master and HTTP metadata server on localhost; their endpoints."""
+    specforge_on_path()
+    with local_mooncake(tmp_path_factory.mktemp("mooncake")) as endpoints:
+        yield endpoints
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +181,7 @@ def engine(dump_dir: Path) -> Iterator[DumpEngine]:
     e.writer.close()
 
 
-def _adapter(store, bridge: Bridge | None, lose_response: bool = False, url: str = ""):
+def sf_adapter(store, bridge: Bridge | None, lose_response: bool = False, url: str = ""):
     """SpecForge's own adapter for eagle3's server-streaming layout, posting to ``bridge``."""
     from specforge.inference.adapters.server_capture import (
         ServerCaptureSchema,
@@ -198,7 +206,7 @@ def _adapter(store, bridge: Bridge | None, lose_response: bool = False, url: str
                                       post_fn=post if bridge is not None else None)
 
 
-def _capture(layers=SPECFORGE_LAYERS, hidden: int = HIDDEN):
+def sf_capture(layers=SPECFORGE_LAYERS, hidden: int = HIDDEN):
     from specforge.inference.capture import CaptureConfig
 
     return CaptureConfig.from_strategy(
@@ -206,7 +214,7 @@ def _capture(layers=SPECFORGE_LAYERS, hidden: int = HIDDEN):
         target_repr="hidden_state", target_hidden_size=hidden)
 
 
-def _tasks(lengths: list[int], attempt: int = 0, first: int = 0):
+def sf_tasks(lengths: list[int], attempt: int = 0, first: int = 0):
     from specforge.runtime.contracts import PromptTask
 
     tasks = []
@@ -249,8 +257,8 @@ def test_a_batch_of_chunked_prompts_reads_back_through_specforges_store(
     reads back, with its own get, exactly what was dumped (aux layers in ascending order,
     the final state, the passthroughs); the dump dir is empty afterwards."""
     bridge = Bridge(dump_dir, sink, engine)
-    tasks = _tasks([5, 23, 40])
-    refs = _adapter(store, bridge).produce_refs(tasks, capture=_capture())
+    tasks = sf_tasks([5, 23, 40])
+    refs = sf_adapter(store, bridge).produce_refs(tasks, capture=sf_capture())
     for task, ref in zip(tasks, refs, strict=True):
         assert ref.metadata["generation"] == 1, ref
         assert ref.feature_specs["hidden_state"].shape == (1, len(task.payload["input_ids"]),
@@ -266,12 +274,12 @@ def test_a_retry_after_a_lost_response_leaves_only_the_retrys_values(
     (Mooncake's put_from keeps an existing key's old bytes; without the upsert this fails.)"""
     bridge = Bridge(dump_dir, sink, engine)
     with pytest.raises(ConnectionError):
-        _adapter(store, bridge, lose_response=True).produce_refs(_tasks([30], first=10),
-                                                                 capture=_capture())
+        sf_adapter(store, bridge, lose_response=True).produce_refs(sf_tasks([30], first=10),
+                                                                 capture=sf_capture())
     first = engine.written.copy()
     engine.seed = 1  # the retry's prefill gives other values: which attempt is read shows
-    tasks = _tasks([30], attempt=1, first=10)
-    (ref,) = _adapter(store, bridge).produce_refs(tasks, capture=_capture())
+    tasks = sf_tasks([30], attempt=1, first=10)
+    (ref,) = sf_adapter(store, bridge).produce_refs(tasks, capture=sf_capture())
     assert not torch.equal(first[tuple(tasks[0].payload["input_ids"])],
                            engine.written[tuple(tasks[0].payload["input_ids"])])
     _assert_readable(store, engine, tasks[0], ref)
@@ -286,8 +294,8 @@ def test_a_failed_dump_answers_specforges_failure_and_its_neighbours_succeed(
 
     bridge = Bridge(dump_dir, sink, engine)
     engine.fail = {1}
-    tasks = _tasks([12, 12, 12], first=20)
-    refs = _adapter(store, bridge).produce_refs(tasks, capture=_capture())
+    tasks = sf_tasks([12, 12, 12], first=20)
+    refs = sf_adapter(store, bridge).produce_refs(tasks, capture=sf_capture())
     assert isinstance(refs[1], ServerCaptureFailure) and refs[1].retryable
     assert "stand-in failure" in refs[1].reason
     assert sink.store.is_exist(f"{store.store_id}/run:task21/g1/target") == 0
@@ -303,8 +311,8 @@ def test_layers_other_than_the_trainers_are_refused_naming_both(
     from specforge.inference.adapters.server_capture import ServerCaptureFailure
 
     bridge = Bridge(dump_dir, sink, engine)
-    (fail,) = _adapter(store, bridge).produce_refs(_tasks([9], first=30),
-                                                   capture=_capture(layers=(2, 3, 5)))
+    (fail,) = sf_adapter(store, bridge).produce_refs(sf_tasks([9], first=30),
+                                                   capture=sf_capture(layers=(2, 3, 5)))
     assert isinstance(fail, ServerCaptureFailure) and not fail.retryable
     assert "(1, 3, 5) != requested (2, 3, 5)" in fail.reason, fail.reason
     assert _rid_dirs(dump_dir) == []
@@ -315,10 +323,10 @@ def test_concurrent_requests_each_read_back_their_own_features(
     """Four producer threads posting at once through one bridge (one Mooncake client): every
     ref reads back its own prompt's features."""
     bridge = Bridge(dump_dir, sink, engine)
-    batches = [_tasks([11 + 3 * b, 20, 33 - b], first=100 + 10 * b) for b in range(4)]
+    batches = [sf_tasks([11 + 3 * b, 20, 33 - b], first=100 + 10 * b) for b in range(4)]
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(
-            lambda tasks: _adapter(store, bridge).produce_refs(tasks, capture=_capture()),
+            lambda tasks: sf_adapter(store, bridge).produce_refs(tasks, capture=sf_capture()),
             batches))
     for tasks, refs in zip(batches, results, strict=True):
         for task, ref in zip(tasks, refs, strict=True):
@@ -333,11 +341,11 @@ def test_a_first_attempt_never_overwrites_existing_keys(
     from specforge.inference.adapters.server_capture import ServerCaptureFailure
 
     bridge = Bridge(dump_dir, sink, engine)
-    tasks = _tasks([14], first=40)
-    (ref,) = _adapter(store, bridge).produce_refs(tasks, capture=_capture())
+    tasks = sf_tasks([14], first=40)
+    (ref,) = sf_adapter(store, bridge).produce_refs(tasks, capture=sf_capture())
     kept = engine.written.copy()
     engine.seed = 2
-    (fail,) = _adapter(store, bridge).produce_refs(tasks, capture=_capture())
+    (fail,) = sf_adapter(store, bridge).produce_refs(tasks, capture=sf_capture())
     assert isinstance(fail, ServerCaptureFailure) and "exist" in fail.reason, fail
     engine.written = kept
     _assert_readable(store, engine, tasks[0], ref)
@@ -355,8 +363,8 @@ def test_over_http_with_specforges_own_client(store, sink, dump_dir: Path,
     thread.start()
     url = f"http://127.0.0.1:{server.server_address[1]}"
     try:
-        tasks = _tasks([8, 27], first=50)
-        refs = _adapter(store, None, url=url).produce_refs(tasks, capture=_capture())
+        tasks = sf_tasks([8, 27], first=50)
+        refs = sf_adapter(store, None, url=url).produce_refs(tasks, capture=sf_capture())
         for task, ref in zip(tasks, refs, strict=True):
             _assert_readable(store, engine, task, ref)
         r = requests.post(f"{url}/generate", json={"input_ids": [1, 2]}, timeout=30)
@@ -378,8 +386,8 @@ def test_a_prompt_served_from_cache_fails_naming_the_radix_cache(
     from specforge.inference.adapters.server_capture import ServerCaptureFailure
 
     engine.cached = 4
-    (fail,) = _adapter(store, Bridge(dump_dir, sink, engine)).produce_refs(
-        _tasks([10], first=60), capture=_capture())
+    (fail,) = sf_adapter(store, Bridge(dump_dir, sink, engine)).produce_refs(
+        sf_tasks([10], first=60), capture=sf_capture())
     assert isinstance(fail, ServerCaptureFailure) and "radix" in fail.reason, fail
     assert sink.store.is_exist(f"{store.store_id}/run:task60/g1/target") == 0
     assert _rid_dirs(dump_dir) == []
@@ -410,10 +418,10 @@ def test_features_in_flight_are_capped_by_workers_whatever_the_requests(
     features are held and published at once, and every ref still reads back."""
     counting = CountingSink(sink)
     bridge = Bridge(dump_dir, counting, engine, workers=2)
-    batches = [_tasks([9, 17, 25], first=200 + 10 * b) for b in range(4)]
+    batches = [sf_tasks([9, 17, 25], first=200 + 10 * b) for b in range(4)]
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(
-            lambda tasks: _adapter(store, bridge).produce_refs(tasks, capture=_capture()),
+            lambda tasks: sf_adapter(store, bridge).produce_refs(tasks, capture=sf_capture()),
             batches))
     assert counting.peak == 2, counting.peak
     for tasks, refs in zip(batches, results, strict=True):
@@ -485,12 +493,12 @@ def test_real_server_two_producers_batches_and_chunked_prefill_equal_hf_fp32(
     url, bridge = live
     info = bridge.info
     layers = tuple(sorted(info.layers))
-    capture = _capture(layers=tuple(lay - 1 for lay in layers), hidden=info.hidden_size)
-    batches = [_tasks([9, 3 * CHUNK + 5, 40], first=300),
-               _tasks([17, 2 * CHUNK + 1, 5], first=310)]
+    capture = sf_capture(layers=tuple(lay - 1 for lay in layers), hidden=info.hidden_size)
+    batches = [sf_tasks([9, 3 * CHUNK + 5, 40], first=300),
+               sf_tasks([17, 2 * CHUNK + 1, 5], first=310)]
     with ThreadPoolExecutor(2) as pool:
         results = list(pool.map(
-            lambda tasks: _adapter(store, None, url=url).produce_refs(tasks, capture=capture),
+            lambda tasks: sf_adapter(store, None, url=url).produce_refs(tasks, capture=capture),
             batches))
     worst = 0.0
     for tasks, refs in zip(batches, results, strict=True):
@@ -510,16 +518,16 @@ def test_real_server_refusing_the_batch_fails_it_whole_and_leaves_nothing(
 
     url, bridge = live
     info = bridge.info
-    capture = _capture(layers=tuple(lay - 1 for lay in sorted(info.layers)),
+    capture = sf_capture(layers=tuple(lay - 1 for lay in sorted(info.layers)),
                        hidden=info.hidden_size)
-    tasks = _tasks([12, 4100], first=320)  # the tiny Llama's context: 4096
+    tasks = sf_tasks([12, 4100], first=320)  # the tiny Llama's context: 4096
     answers = []
 
     def post(url: str, json_body: dict[str, Any], timeout: float) -> Any:
         answers.append(requests.post(url, json=json_body, timeout=timeout))
         answers[-1].raise_for_status()
 
-    adapter = _adapter(store, None, url=url)
+    adapter = sf_adapter(store, None, url=url)
     adapter.post_fn = post
     with pytest.raises(requests.HTTPError, match="502"):
         adapter.produce_refs(tasks, capture=capture)
@@ -527,8 +535,8 @@ def test_real_server_refusing_the_batch_fails_it_whole_and_leaves_nothing(
     for task in tasks:
         assert sink_has(bridge, store, task) is False
     assert _bridge_dirs(llama_server.dump_dir) == []
-    ok = _tasks([12], first=330)
-    refs = _adapter(store, None, url=url).produce_refs(ok, capture=capture)
+    ok = sf_tasks([12], first=330)
+    refs = sf_adapter(store, None, url=url).produce_refs(ok, capture=capture)
     assert_equals_hf_fp32(store, llama_server.model, info, ok, refs)
 
 
@@ -559,10 +567,10 @@ def test_hsdump_bridge_command_serves_specforge_and_stops_with_a_summary(
         assert "serving on http://127.0.0.1:" in first, (first, (tmp_path / "bridge.err")
                                                           .read_text()[-2000:])
         url = first.split("serving on ")[1].split()[0]
-        capture = _capture(layers=tuple(lay - 1 for lay in sorted(info.layers)),
+        capture = sf_capture(layers=tuple(lay - 1 for lay in sorted(info.layers)),
                            hidden=info.hidden_size)
-        tasks = _tasks([21, 50], first=400)
-        refs = _adapter(store, None, url=url).produce_refs(tasks, capture=capture)
+        tasks = sf_tasks([21, 50], first=400)
+        refs = sf_adapter(store, None, url=url).produce_refs(tasks, capture=capture)
         assert_equals_hf_fp32(store, llama_server.model, info, tasks, refs)
     finally:
         proc.terminate()
