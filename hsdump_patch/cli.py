@@ -15,6 +15,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "hsdump_patch.client.regenerate",
     "hsdump_patch.client.smoke",
     "hsdump_patch.client.handoff",
+    "hsdump_patch.client.bridge",
     "hsdump_patch.ops.verify",
 )
 

@@ -10,6 +10,7 @@ through its own ``post_fn`` seam, and every ref is read back with SpecForge's
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import socket
@@ -28,7 +29,13 @@ import torch
 
 from hsdump_patch import protocol
 from hsdump_patch.capture.writer import DumpWriter
-from hsdump_patch.client.bridge import Bridge, MooncakeSink, make_server, server_layers_for
+from hsdump_patch.client.bridge import (
+    Bridge,
+    MooncakeSink,
+    SGLangEngine,
+    make_server,
+    server_layers_for,
+)
 from tests.conftest import require, specforge_on_path
 
 HIDDEN = 16
@@ -54,15 +61,14 @@ def _wait_port(port: int, proc: subprocess.Popen, what: str) -> None:
     raise RuntimeError(f"{what} did not listen on {port} within 30s")
 
 
-@pytest.fixture(scope="module")
-def mooncake(tmp_path_factory) -> Iterator[dict[str, str]]:
-    """A Mooncake master and HTTP metadata server on localhost; their endpoints."""
+@contextlib.contextmanager
+def local_mooncake(logs: Path) -> Iterator[dict[str, str]]:
+    """A Mooncake master and HTTP metadata server on free localhost ports (their logs under
+    ``logs``), stopped on exit; their endpoints."""
     spec = importlib.util.find_spec("mooncake")
     require(spec is not None and spec.origin is not None,
             "mooncake-transfer-engine-non-cuda importable (requirements-test.txt)")
-    specforge_on_path()
     package = Path(spec.origin).parent
-    logs = tmp_path_factory.mktemp("mooncake")
     rpc, metrics, meta = _free_port(), _free_port(), _free_port()
     with open(logs / "master.log", "w") as master_log, \
             open(logs / "metadata.log", "w") as meta_log:
@@ -84,6 +90,14 @@ def mooncake(tmp_path_factory) -> Iterator[dict[str, str]]:
             for p in procs:
                 p.terminate()
                 p.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def mooncake(tmp_path_factory) -> Iterator[dict[str, str]]:
+    """A Mooncake master and HTTP metadata server on localhost; their endpoints."""
+    specforge_on_path()
+    with local_mooncake(tmp_path_factory.mktemp("mooncake")) as endpoints:
+        yield endpoints
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +181,7 @@ def engine(dump_dir: Path) -> Iterator[DumpEngine]:
     e.writer.close()
 
 
-def _adapter(store, bridge: Bridge | None, lose_response: bool = False, url: str = ""):
+def sf_adapter(store, bridge: Bridge | None, lose_response: bool = False, url: str = ""):
     """SpecForge's own adapter for eagle3's server-streaming layout, posting to ``bridge``."""
     from specforge.inference.adapters.server_capture import (
         ServerCaptureSchema,
@@ -192,7 +206,7 @@ def _adapter(store, bridge: Bridge | None, lose_response: bool = False, url: str
                                       post_fn=post if bridge is not None else None)
 
 
-def _capture(layers=SPECFORGE_LAYERS, hidden: int = HIDDEN):
+def sf_capture(layers=SPECFORGE_LAYERS, hidden: int = HIDDEN):
     from specforge.inference.capture import CaptureConfig
 
     return CaptureConfig.from_strategy(
@@ -200,7 +214,7 @@ def _capture(layers=SPECFORGE_LAYERS, hidden: int = HIDDEN):
         target_repr="hidden_state", target_hidden_size=hidden)
 
 
-def _tasks(lengths: list[int], attempt: int = 0, first: int = 0):
+def sf_tasks(lengths: list[int], attempt: int = 0, first: int = 0):
     from specforge.runtime.contracts import PromptTask
 
     tasks = []
@@ -243,8 +257,8 @@ def test_a_batch_of_chunked_prompts_reads_back_through_specforges_store(
     reads back, with its own get, exactly what was dumped (aux layers in ascending order,
     the final state, the passthroughs); the dump dir is empty afterwards."""
     bridge = Bridge(dump_dir, sink, engine)
-    tasks = _tasks([5, 23, 40])
-    refs = _adapter(store, bridge).produce_refs(tasks, capture=_capture())
+    tasks = sf_tasks([5, 23, 40])
+    refs = sf_adapter(store, bridge).produce_refs(tasks, capture=sf_capture())
     for task, ref in zip(tasks, refs, strict=True):
         assert ref.metadata["generation"] == 1, ref
         assert ref.feature_specs["hidden_state"].shape == (1, len(task.payload["input_ids"]),
@@ -260,12 +274,12 @@ def test_a_retry_after_a_lost_response_leaves_only_the_retrys_values(
     (Mooncake's put_from keeps an existing key's old bytes; without the upsert this fails.)"""
     bridge = Bridge(dump_dir, sink, engine)
     with pytest.raises(ConnectionError):
-        _adapter(store, bridge, lose_response=True).produce_refs(_tasks([30], first=10),
-                                                                 capture=_capture())
+        sf_adapter(store, bridge, lose_response=True).produce_refs(sf_tasks([30], first=10),
+                                                                 capture=sf_capture())
     first = engine.written.copy()
     engine.seed = 1  # the retry's prefill gives other values: which attempt is read shows
-    tasks = _tasks([30], attempt=1, first=10)
-    (ref,) = _adapter(store, bridge).produce_refs(tasks, capture=_capture())
+    tasks = sf_tasks([30], attempt=1, first=10)
+    (ref,) = sf_adapter(store, bridge).produce_refs(tasks, capture=sf_capture())
     assert not torch.equal(first[tuple(tasks[0].payload["input_ids"])],
                            engine.written[tuple(tasks[0].payload["input_ids"])])
     _assert_readable(store, engine, tasks[0], ref)
@@ -280,8 +294,8 @@ def test_a_failed_dump_answers_specforges_failure_and_its_neighbours_succeed(
 
     bridge = Bridge(dump_dir, sink, engine)
     engine.fail = {1}
-    tasks = _tasks([12, 12, 12], first=20)
-    refs = _adapter(store, bridge).produce_refs(tasks, capture=_capture())
+    tasks = sf_tasks([12, 12, 12], first=20)
+    refs = sf_adapter(store, bridge).produce_refs(tasks, capture=sf_capture())
     assert isinstance(refs[1], ServerCaptureFailure) and refs[1].retryable
     assert "stand-in failure" in refs[1].reason
     assert sink.store.is_exist(f"{store.store_id}/run:task21/g1/target") == 0
@@ -297,8 +311,8 @@ def test_layers_other_than_the_trainers_are_refused_naming_both(
     from specforge.inference.adapters.server_capture import ServerCaptureFailure
 
     bridge = Bridge(dump_dir, sink, engine)
-    (fail,) = _adapter(store, bridge).produce_refs(_tasks([9], first=30),
-                                                   capture=_capture(layers=(2, 3, 5)))
+    (fail,) = sf_adapter(store, bridge).produce_refs(sf_tasks([9], first=30),
+                                                   capture=sf_capture(layers=(2, 3, 5)))
     assert isinstance(fail, ServerCaptureFailure) and not fail.retryable
     assert "(1, 3, 5) != requested (2, 3, 5)" in fail.reason, fail.reason
     assert _rid_dirs(dump_dir) == []
@@ -309,10 +323,10 @@ def test_concurrent_requests_each_read_back_their_own_features(
     """Four producer threads posting at once through one bridge (one Mooncake client): every
     ref reads back its own prompt's features."""
     bridge = Bridge(dump_dir, sink, engine)
-    batches = [_tasks([11 + 3 * b, 20, 33 - b], first=100 + 10 * b) for b in range(4)]
+    batches = [sf_tasks([11 + 3 * b, 20, 33 - b], first=100 + 10 * b) for b in range(4)]
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(
-            lambda tasks: _adapter(store, bridge).produce_refs(tasks, capture=_capture()),
+            lambda tasks: sf_adapter(store, bridge).produce_refs(tasks, capture=sf_capture()),
             batches))
     for tasks, refs in zip(batches, results, strict=True):
         for task, ref in zip(tasks, refs, strict=True):
@@ -327,11 +341,11 @@ def test_a_first_attempt_never_overwrites_existing_keys(
     from specforge.inference.adapters.server_capture import ServerCaptureFailure
 
     bridge = Bridge(dump_dir, sink, engine)
-    tasks = _tasks([14], first=40)
-    (ref,) = _adapter(store, bridge).produce_refs(tasks, capture=_capture())
+    tasks = sf_tasks([14], first=40)
+    (ref,) = sf_adapter(store, bridge).produce_refs(tasks, capture=sf_capture())
     kept = engine.written.copy()
     engine.seed = 2
-    (fail,) = _adapter(store, bridge).produce_refs(tasks, capture=_capture())
+    (fail,) = sf_adapter(store, bridge).produce_refs(tasks, capture=sf_capture())
     assert isinstance(fail, ServerCaptureFailure) and "exist" in fail.reason, fail
     engine.written = kept
     _assert_readable(store, engine, tasks[0], ref)
@@ -349,8 +363,8 @@ def test_over_http_with_specforges_own_client(store, sink, dump_dir: Path,
     thread.start()
     url = f"http://127.0.0.1:{server.server_address[1]}"
     try:
-        tasks = _tasks([8, 27], first=50)
-        refs = _adapter(store, None, url=url).produce_refs(tasks, capture=_capture())
+        tasks = sf_tasks([8, 27], first=50)
+        refs = sf_adapter(store, None, url=url).produce_refs(tasks, capture=sf_capture())
         for task, ref in zip(tasks, refs, strict=True):
             _assert_readable(store, engine, task, ref)
         r = requests.post(f"{url}/generate", json={"input_ids": [1, 2]}, timeout=30)
@@ -372,8 +386,8 @@ def test_a_prompt_served_from_cache_fails_naming_the_radix_cache(
     from specforge.inference.adapters.server_capture import ServerCaptureFailure
 
     engine.cached = 4
-    (fail,) = _adapter(store, Bridge(dump_dir, sink, engine)).produce_refs(
-        _tasks([10], first=60), capture=_capture())
+    (fail,) = sf_adapter(store, Bridge(dump_dir, sink, engine)).produce_refs(
+        sf_tasks([10], first=60), capture=sf_capture())
     assert isinstance(fail, ServerCaptureFailure) and "radix" in fail.reason, fail
     assert sink.store.is_exist(f"{store.store_id}/run:task60/g1/target") == 0
     assert _rid_dirs(dump_dir) == []
@@ -404,13 +418,181 @@ def test_features_in_flight_are_capped_by_workers_whatever_the_requests(
     features are held and published at once, and every ref still reads back."""
     counting = CountingSink(sink)
     bridge = Bridge(dump_dir, counting, engine, workers=2)
-    batches = [_tasks([9, 17, 25], first=200 + 10 * b) for b in range(4)]
+    batches = [sf_tasks([9, 17, 25], first=200 + 10 * b) for b in range(4)]
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(
-            lambda tasks: _adapter(store, bridge).produce_refs(tasks, capture=_capture()),
+            lambda tasks: sf_adapter(store, bridge).produce_refs(tasks, capture=sf_capture()),
             batches))
     assert counting.peak == 2, counting.peak
     for tasks, refs in zip(batches, results, strict=True):
         for task, ref in zip(tasks, refs, strict=True):
             _assert_readable(store, engine, task, ref)
     assert _rid_dirs(dump_dir) == []
+
+
+# --- Against a real CPU SGLang 0.5.23 server with the plugin (the suite's shared Llama server:
+# bf16, auto layers + the final state, chunked prefill of conftest.CHUNK tokens, radix cache off).
+
+# ||Mooncake value - HF fp32|| / ||HF fp32|| per layer: the server computes in bf16 (the
+# tolerance test_client_extract.py uses for its bf16 records).
+REL_TOL = 2e-2
+
+
+@pytest.fixture(scope="module")
+def live(llama_server, sink) -> Iterator[tuple[str, Bridge]]:
+    """The bridge's HTTP service in front of the shared Llama server; its URL and bridge."""
+    bridge = Bridge(llama_server.dump_dir, sink, SGLangEngine(llama_server.url))
+    server = make_server(bridge, "127.0.0.1", 0)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", bridge
+    server.shutdown()
+    thread.join()
+
+
+def _bridge_dirs(dump_dir: Path) -> list[str]:
+    """The bridge's request directories left in a server's dump dir (other tests' are not)."""
+    return [p.name for p in dump_dir.iterdir() if p.is_dir() and "bridge-" in p.name]
+
+
+def assert_equals_hf_fp32(store, model: Path, info: protocol.ServerInfo, tasks, refs) -> float:
+    """Every ref's features, read with SpecForge's own get, equal an HF float32 forward of its
+    tokens (aux: the layers in ascending order; target: the post-norm state); the worst error."""
+    from tests.harness.reference import hf_hidden_states
+
+    worst = 0.0
+    for task, ref in zip(tasks, refs, strict=True):
+        ids = task.payload["input_ids"]
+        got, handle = store.get(ref)
+        hf = hf_hidden_states(model, ids, torch.float32)
+        aux = got["hidden_state"]
+        assert aux.dtype == torch.bfloat16, aux.dtype
+        assert aux.shape == (1, len(ids), len(info.layers) * info.hidden_size)
+        pairs = [*zip(aux[0].split(info.hidden_size, dim=-1), sorted(info.layers),
+                      strict=True), (got["target"][0], len(hf) - 1)]
+        for value, slot in pairs:
+            want = hf[slot].float()
+            worst = max(worst, ((value.float() - want).norm() / want.norm()).item())
+        assert got["input_ids"].tolist() == [ids]
+        assert got["loss_mask"].tolist() == [task.payload["loss_mask"]]
+        assert got["attention_mask"].tolist() == [[1] * len(ids)]
+        store.release(handle)
+    assert worst < REL_TOL, worst
+    return worst
+
+
+@pytest.mark.server
+def test_real_server_two_producers_batches_and_chunked_prefill_equal_hf_fp32(
+        store, live, llama_server) -> None:
+    """Two producers at once, each SpecForge's own produce_refs over HTTP with a batch of
+    three tasks, one longer than three prefill chunks: every ref SpecForge builds reads back,
+    with its own get, what an HF float32 forward gives; the layer ids SpecForge checks are the
+    server's; the bridge's dump directories are gone."""
+    from tests.conftest import CHUNK
+
+    url, bridge = live
+    info = bridge.info
+    layers = tuple(sorted(info.layers))
+    capture = sf_capture(layers=tuple(lay - 1 for lay in layers), hidden=info.hidden_size)
+    batches = [sf_tasks([9, 3 * CHUNK + 5, 40], first=300),
+               sf_tasks([17, 2 * CHUNK + 1, 5], first=310)]
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(
+            lambda tasks: sf_adapter(store, None, url=url).produce_refs(tasks, capture=capture),
+            batches))
+    worst = 0.0
+    for tasks, refs in zip(batches, results, strict=True):
+        assert all(r.metadata["generation"] == 1 for r in refs), refs
+        worst = max(worst, assert_equals_hf_fp32(store, llama_server.model, info, tasks, refs))
+    print(f"worst relative error vs HF fp32: {worst:.2e}")
+    assert _bridge_dirs(llama_server.dump_dir) == []
+
+
+@pytest.mark.server
+def test_real_server_refusing_the_batch_fails_it_whole_and_leaves_nothing(
+        store, live, llama_server) -> None:
+    """A batch the server refuses (a prompt beyond the model's context) is a transport-level
+    error for SpecForge (it fails the lease batch, retryable) naming the server's reason; no
+    key of the batch is readable and no dump directory stays. The same bridge then serves."""
+    import requests
+
+    url, bridge = live
+    info = bridge.info
+    capture = sf_capture(layers=tuple(lay - 1 for lay in sorted(info.layers)),
+                       hidden=info.hidden_size)
+    tasks = sf_tasks([12, 4100], first=320)  # the tiny Llama's context: 4096
+    answers = []
+
+    def post(url: str, json_body: dict[str, Any], timeout: float) -> Any:
+        answers.append(requests.post(url, json=json_body, timeout=timeout))
+        answers[-1].raise_for_status()
+
+    adapter = sf_adapter(store, None, url=url)
+    adapter.post_fn = post
+    with pytest.raises(requests.HTTPError, match="502"):
+        adapter.produce_refs(tasks, capture=capture)
+    assert "context length" in answers[0].json()["error"], answers[0].text
+    for task in tasks:
+        assert sink_has(bridge, store, task) is False
+    assert _bridge_dirs(llama_server.dump_dir) == []
+    ok = sf_tasks([12], first=330)
+    refs = sf_adapter(store, None, url=url).produce_refs(ok, capture=capture)
+    assert_equals_hf_fp32(store, llama_server.model, info, ok, refs)
+
+
+def sink_has(bridge: Bridge, store, task) -> bool:
+    """Whether the bridge's store holds the task's target key."""
+    return bridge.sink.store.is_exist(f"{store.store_id}/run:{task.task_id}/g1/target") == 1
+
+
+@pytest.mark.server
+def test_hsdump_bridge_command_serves_specforge_and_stops_with_a_summary(
+        store, mooncake, llama_server, tmp_path) -> None:
+    """``hsdump bridge`` as a subprocess in front of the real server: SpecForge's own
+    produce_refs over HTTP gets refs that read back as HF float32 gives; SIGTERM stops it with
+    exit 0 and a summary counting what it published."""
+    info = protocol.read_server_info(llama_server.dump_dir)
+    repo = Path(__file__).resolve().parents[1]
+    with open(tmp_path / "bridge.err", "w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "hsdump_patch.cli", "bridge", "--server", llama_server.url,
+             "--dump-dir", str(llama_server.dump_dir), "--port", "0",
+             "--mooncake-master", mooncake["master"], "--mooncake-metadata",
+             mooncake["metadata"], "--segment-size", "32MiB", "--local-buffer-size", "8MiB",
+             "--progress-interval", "0"],
+            cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)}, stdout=subprocess.PIPE,
+            stderr=err, text=True)
+    try:
+        first = proc.stdout.readline()
+        assert "serving on http://127.0.0.1:" in first, (first, (tmp_path / "bridge.err")
+                                                          .read_text()[-2000:])
+        url = first.split("serving on ")[1].split()[0]
+        capture = sf_capture(layers=tuple(lay - 1 for lay in sorted(info.layers)),
+                           hidden=info.hidden_size)
+        tasks = sf_tasks([21, 50], first=400)
+        refs = sf_adapter(store, None, url=url).produce_refs(tasks, capture=capture)
+        assert_equals_hf_fp32(store, llama_server.model, info, tasks, refs)
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, (tmp_path / "bridge.err").read_text()[-2000:]
+    assert "stopped: 1 requests, 2 samples published, 0 failed" in out, out
+    assert _bridge_dirs(llama_server.dump_dir) == []
+
+
+@pytest.mark.server
+def test_hsdump_bridge_refuses_a_dead_server_or_a_foreign_dump_dir(
+        llama_server, tmp_path, capsys) -> None:
+    """Before connecting to Mooncake: a server that does not answer, or a dump dir without the
+    server's server.json, ends the command with exit 2 and a message naming the flag."""
+    from hsdump_patch.cli import main as cli
+
+    common = ["--mooncake-master", "127.0.0.1:1", "--mooncake-metadata", "http://127.0.0.1:1/m"]
+    assert cli(["bridge", "--server", "http://127.0.0.1:1", *common]) == 2
+    assert "does not answer /health" in capsys.readouterr().err
+    assert cli(["bridge", "--server", llama_server.url, "--dump-dir", str(tmp_path),
+                *common]) == 2
+    err = capsys.readouterr().err
+    assert "--dump-dir" in err and "server.json" in err, err
+    assert cli(["bridge", "--segment-size", "lots", *common]) == 2
+    assert "--segment-size='lots' is not a size" in capsys.readouterr().err

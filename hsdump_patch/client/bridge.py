@@ -17,12 +17,17 @@ the file protocol only, never on SGLang.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
+import os
+import signal
+import sys
 import threading
+import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -38,7 +43,7 @@ from hsdump_patch.client.assemble import (
     wait_until_settled,
 )
 from hsdump_patch.client.buffers import BufferPool
-from hsdump_patch.client.extract import check_meta
+from hsdump_patch.client.extract import DEFAULT_DUMP_TIMEOUT, DEFAULT_SERVER, check_meta
 from hsdump_patch.client.records import RecordBuilder, torch_dtype
 
 # The server's generic artifacts (SpecForge's ServerCaptureSchema aux / last_hidden_feature).
@@ -258,6 +263,33 @@ def capture_failure(task: TaskCapture, reason: str) -> dict[str, Any]:
             "error": reason}
 
 
+@dataclass
+class BridgeStats:
+    """What a bridge has served so far (thread-safe counters)."""
+
+    requests: int = 0
+    ok: int = 0
+    failed: int = 0
+    bytes: int = 0
+    started: float = field(default_factory=time.monotonic)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, requests: int = 0, ok: int = 0, failed: int = 0, nbytes: int = 0) -> None:
+        with self.lock:
+            self.requests += requests
+            self.ok += ok
+            self.failed += failed
+            self.bytes += nbytes
+
+    def line(self) -> str:
+        """One progress / summary line."""
+        with self.lock:
+            wall = max(time.monotonic() - self.started, 1e-9)
+            return (f"{self.requests} requests, {self.ok} samples published, {self.failed} "
+                    f"failed, {self.bytes / 2**20:.1f} MiB ({self.ok / wall:.2f} samples/s, "
+                    f"{self.bytes / 2**20 / wall:.2f} MiB/s over {wall:.0f} s)")
+
+
 class Bridge:
     """Serves SpecForge's ``spec_capture`` ``/generate`` with an hsdump-enabled server."""
 
@@ -278,6 +310,7 @@ class Bridge:
         self._slots = threading.BoundedSemaphore(workers)
         self._record_bufs = BufferPool(max_inflight_bytes)
         self._chunk_bufs = BufferPool(max_inflight_bytes)
+        self.stats = BridgeStats()
 
     def _rid(self) -> str:
         return f"{self.info.rid_prefix}bridge-{uuid.uuid4().hex}"
@@ -294,6 +327,7 @@ class Bridge:
                                      "id lists) and one spec_capture entry per prompt")
         tasks = [TaskCapture.from_json(e, len(p)) for e, p in zip(entries, ids, strict=True)]
         rids = [self._rid() for _ in tasks]
+        self.stats.add(requests=1)
         try:
             rows = self.engine(ids, rids, body.get("extra_key"))
             if len(rows) != len(tasks):
@@ -314,13 +348,13 @@ class Bridge:
             # The writer may still be writing this rid's files (an aborted one gets no
             # marker): let its directory settle before it is removed.
             wait_until_settled(self.dump_dir, rid, SETTLE_QUIET_S, self.marker_timeout)
-            return capture_failure(task, problem)
+            return self._failure(task, problem)
         status = wait_for_marker(self.dump_dir, rid, self.marker_timeout)
         if status is None:
-            return capture_failure(task, f"no done marker for dump rid {rid} within "
+            return self._failure(task, f"no done marker for dump rid {rid} within "
                                          f"{self.marker_timeout:g}s")
         if status.error is not None:
-            return capture_failure(task, f"the server could not dump rid {rid}: "
+            return self._failure(task, f"the server could not dump rid {rid}: "
                                          f"{status.error.reason}")
         nbytes = RecordBuilder.nbytes(len(prompt), self.info)
         try:
@@ -328,9 +362,15 @@ class Bridge:
                 tensors = task_tensors(self.dump_dir, rid, prompt, self.info, task, buf,
                                        self._chunk_bufs)
                 self.sink.publish(task, tensors)
+                self.stats.add(ok=1, nbytes=sum(t.numel() * t.element_size()
+                                                for t in tensors.values()))
                 return capture_result(task, tensors, self.layer_ids)
         except (CaptureFailed, protocol.ProtocolError) as e:
-            return capture_failure(task, str(e))
+            return self._failure(task, str(e))
+
+    def _failure(self, task: TaskCapture, reason: str) -> dict[str, Any]:
+        self.stats.add(failed=1)
+        return capture_failure(task, reason)
 
 
 class SGLangEngine:
@@ -350,7 +390,9 @@ class SGLangEngine:
         if not hasattr(self._local, "session"):
             self._local.session = requests.Session()
         r = self._local.session.post(f"{self.url}/generate", json=body, timeout=self.timeout)
-        r.raise_for_status()
+        if r.status_code != 200:
+            raise RuntimeError(f"the server {self.url} answered HTTP {r.status_code}: "
+                               f"{r.text[:500]}")
         rows = r.json()
         return rows if isinstance(rows, list) else [rows]
 
@@ -389,3 +431,132 @@ def make_server(bridge: Bridge, host: str, port: int) -> ThreadingHTTPServer:
             pass
 
     return ThreadingHTTPServer((host, port), Handler)
+
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 30100
+DEFAULT_SEGMENT = "32GiB"  # SpecForge's managed Mooncake default (MOONCAKE_GLOBAL_SEGMENT_SIZE)
+DEFAULT_LOCAL_BUFFER = "64MiB"
+DEFAULT_WORKERS = 4
+DEFAULT_MAX_INFLIGHT = "4GiB"
+DEFAULT_REQUEST_TIMEOUT = 300.0  # SpecForge's producer waits as long (timeout_s)
+DEFAULT_PROGRESS_INTERVAL = 60.0
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register ``hsdump bridge``."""
+    p = subparsers.add_parser(
+        "bridge", help="serve SpecForge's online capture (/generate with spec_capture) from an "
+                       "hsdump server into Mooncake",
+        description="Answer SpecForge's disaggregated producers (server_urls) in front of an "
+                    "hsdump-enabled SGLang server: each task's prefill is captured, its "
+                    "features put into Mooncake under SpecForge's keys (docs/online.md).")
+    p.add_argument("--server", default=DEFAULT_SERVER,
+                   help=f"the hsdump-enabled SGLang server's URL (default {DEFAULT_SERVER})")
+    p.add_argument("--dump-dir", type=Path,
+                   default=Path(os.environ.get(protocol.ENV_DIR)
+                                or protocol.DEFAULT_DUMP_DIR),
+                   help=f"the server's dump dir, visible on this machine (default "
+                        f"${protocol.ENV_DIR} or {protocol.DEFAULT_DUMP_DIR})")
+    p.add_argument("--host", default=DEFAULT_HOST,
+                   help=f"address the bridge listens on (default {DEFAULT_HOST}; use 0.0.0.0 "
+                        "for producers on other hosts)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT,
+                   help=f"port the bridge listens on, 0 for any free one (default {DEFAULT_PORT})")
+    p.add_argument("--mooncake-master", required=True,
+                   help="Mooncake master, host:port (required)")
+    p.add_argument("--mooncake-metadata", required=True,
+                   help="Mooncake metadata server URL, e.g. http://host:8080/metadata (required)")
+    p.add_argument("--local-hostname", default=DEFAULT_HOST,
+                   help="address the trainers reach this bridge's Mooncake segment at (default "
+                        f"{DEFAULT_HOST}: trainers on this host only)")
+    p.add_argument("--segment-size", default=DEFAULT_SEGMENT,
+                   help="the bridge's Mooncake segment: holds every published sample until the "
+                        f"trainer frees it (docs/online.md, sizing) (default {DEFAULT_SEGMENT})")
+    p.add_argument("--local-buffer-size", default=DEFAULT_LOCAL_BUFFER,
+                   help=f"Mooncake client transfer buffer (default {DEFAULT_LOCAL_BUFFER})")
+    p.add_argument("--protocol", dest="mc_protocol", choices=("tcp", "rdma"), default="tcp",
+                   help="Mooncake transport (default tcp)")
+    p.add_argument("--rdma-devices", default="",
+                   help="RDMA devices for --protocol rdma, comma-separated (default: none)")
+    p.add_argument("--workers", type=int, default=DEFAULT_WORKERS,
+                   help="samples read and published at once; caps host memory for features in "
+                        f"flight at workers x (longest sample + one chunk) (default "
+                        f"{DEFAULT_WORKERS})")
+    p.add_argument("--max-inflight-bytes", default=DEFAULT_MAX_INFLIGHT,
+                   help=f"buffers kept for reuse (default {DEFAULT_MAX_INFLIGHT})")
+    p.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT,
+                   help="seconds to wait for the server's /generate answer (default "
+                        f"{DEFAULT_REQUEST_TIMEOUT:g})")
+    p.add_argument("--dump-timeout", type=float, default=DEFAULT_DUMP_TIMEOUT,
+                   help="seconds to wait for a request's done/error marker (default "
+                        f"{DEFAULT_DUMP_TIMEOUT:g})")
+    p.add_argument("--progress-interval", type=float, default=DEFAULT_PROGRESS_INTERVAL,
+                   help="seconds between progress lines on stderr, 0 for none (default "
+                        f"{DEFAULT_PROGRESS_INTERVAL:g})")
+    p.set_defaults(func=main)
+
+
+def _fail(message: str) -> int:
+    print(f"hsdump bridge: {message}", file=sys.stderr)
+    return 2
+
+
+def main(args: argparse.Namespace) -> int:
+    """``hsdump bridge``: serve until SIGINT / SIGTERM, then print a summary."""
+    try:
+        segment = protocol.parse_size(str(args.segment_size), "--segment-size")
+        local_buffer = protocol.parse_size(str(args.local_buffer_size), "--local-buffer-size")
+        inflight = protocol.parse_size(str(args.max_inflight_bytes), "--max-inflight-bytes")
+    except (ValueError, protocol.ProtocolError) as e:
+        return _fail(str(e))
+    if args.workers < 1:
+        return _fail(f"--workers must be >= 1, got {args.workers}")
+    server_url = args.server.rstrip("/")
+    try:
+        requests.get(f"{server_url}/health", timeout=10).raise_for_status()
+    except requests.RequestException as e:
+        return _fail(f"the SGLang server at {server_url} does not answer /health ({e}); start "
+                     "it (hsdump serve) or pass --server")
+    try:
+        info = protocol.read_server_info(args.dump_dir)
+    except (OSError, ValueError, protocol.ProtocolError) as e:
+        return _fail(f"no usable server.json in --dump-dir {args.dump_dir} ({e}); is it the "
+                     "dump dir of the server at --server?")
+    try:
+        sink = MooncakeSink.connect(master=args.mooncake_master, metadata=args.mooncake_metadata,
+                                    local_hostname=args.local_hostname,
+                                    global_segment_size=segment, local_buffer_size=local_buffer,
+                                    protocol_name=args.mc_protocol,
+                                    rdma_devices=args.rdma_devices)
+    except ImportError as e:
+        return _fail(f"cannot import Mooncake ({e}): install mooncake-transfer-engine (or its "
+                     "non-CUDA build, mooncake-transfer-engine-non-cuda)")
+    except RuntimeError as e:
+        return _fail(str(e))
+    try:
+        bridge = Bridge(args.dump_dir, sink, SGLangEngine(server_url, args.request_timeout),
+                        marker_timeout=args.dump_timeout, workers=args.workers,
+                        max_inflight_bytes=inflight)
+        http = make_server(bridge, args.host, args.port)
+    except (BridgeRequestError, protocol.ProtocolError, OSError) as e:
+        sink.store.close()
+        return _fail(str(e))
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    thread = threading.Thread(target=http.serve_forever, daemon=True)
+    thread.start()
+    host, port = http.server_address[:2]
+    print(f"hsdump bridge: serving on http://{host}:{port} for {server_url} ({info.model}, "
+          f"aux_layer_ids {list(bridge.layer_ids)}, hidden {info.hidden_size}, {info.dtype}); "
+          f"Mooncake {args.mooncake_master}, segment {segment / 2**30:.2f} GiB", flush=True)
+    interval = args.progress_interval if args.progress_interval > 0 else None
+    while not stop.wait(interval):
+        print(f"hsdump bridge: {bridge.stats.line()}", file=sys.stderr, flush=True)
+    http.shutdown()
+    thread.join()
+    http.server_close()
+    sink.store.close()
+    print(f"hsdump bridge: stopped: {bridge.stats.line()}", flush=True)
+    return 0
