@@ -53,7 +53,7 @@ from hsdump_patch.client import records  # noqa: E402
 from tests.conftest import specforge_on_path  # noqa: E402
 from tests.harness import make_models  # noqa: E402
 from tests.harness import server as srv  # noqa: E402
-from tests.test_bridge import local_mooncake, sf_adapter, sf_capture  # noqa: E402
+from tests.harness.online import local_mooncake, sf_adapter, sf_capture  # noqa: E402
 
 CHUNK = 256
 

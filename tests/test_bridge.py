@@ -10,10 +10,8 @@ through its own ``post_fn`` seam, and every ref is read back with SpecForge's
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -37,65 +35,19 @@ from hsdump_patch.client.bridge import (
     server_layers_for,
 )
 from tests.conftest import require, specforge_on_path
+from tests.harness.online import local_mooncake, sf_adapter, sf_capture
 
 HIDDEN = 16
 SPECFORGE_LAYERS = (1, 3, 5)  # SpecForge's aux_hidden_state_layer_ids
 CHUNK = 7  # prefill chunk of the stand-in engine: every prompt below spans several
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_port(port: int, proc: subprocess.Popen, what: str) -> None:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {proc.returncode}")
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.1)
-    raise RuntimeError(f"{what} did not listen on {port} within 30s")
-
-
-@contextlib.contextmanager
-def local_mooncake(logs: Path) -> Iterator[dict[str, str]]:
-    """A Mooncake master and HTTP metadata server on free localhost ports (their logs under
-    ``logs``), stopped on exit; their endpoints."""
-    spec = importlib.util.find_spec("mooncake")
-    require(spec is not None and spec.origin is not None,
-            "mooncake-transfer-engine-non-cuda importable (requirements-test.txt)")
-    package = Path(spec.origin).parent
-    rpc, metrics, meta = _free_port(), _free_port(), _free_port()
-    with open(logs / "master.log", "w") as master_log, \
-            open(logs / "metadata.log", "w") as meta_log:
-        procs = [
-            # The wheel's own master binary (its console script only execs it).
-            subprocess.Popen([str(package / "mooncake_master"), f"-rpc_port={rpc}",
-                              f"-metrics_port={metrics}", "-rpc_thread_num=2"],
-                             stdout=master_log, stderr=subprocess.STDOUT),
-            subprocess.Popen([sys.executable, "-m", "mooncake.http_metadata_server", "--host",
-                              "127.0.0.1", "--port", str(meta)],
-                             env={**os.environ, "PYTHONPATH": str(package.parent)},
-                             stdout=meta_log, stderr=subprocess.STDOUT),
-        ]
-        try:
-            _wait_port(rpc, procs[0], "mooncake_master")
-            _wait_port(meta, procs[1], "the metadata server")
-            yield {"master": f"127.0.0.1:{rpc}", "metadata": f"http://127.0.0.1:{meta}/metadata"}
-        finally:
-            for p in procs:
-                p.terminate()
-                p.wait(timeout=30)
-
-
 @pytest.fixture(scope="module")
 def mooncake(tmp_path_factory) -> Iterator[dict[str, str]]:
     """A Mooncake master and HTTP metadata server on localhost; their endpoints."""
     specforge_on_path()
+    require(importlib.util.find_spec("mooncake") is not None,
+            "mooncake-transfer-engine-non-cuda importable (requirements-test.txt)")
     with local_mooncake(tmp_path_factory.mktemp("mooncake")) as endpoints:
         yield endpoints
 
@@ -181,37 +133,8 @@ def engine(dump_dir: Path) -> Iterator[DumpEngine]:
     e.writer.close()
 
 
-def sf_adapter(store, bridge: Bridge | None, lose_response: bool = False, url: str = ""):
-    """SpecForge's own adapter for eagle3's server-streaming layout, posting to ``bridge``."""
-    from specforge.inference.adapters.server_capture import (
-        ServerCaptureSchema,
-        SGLangServerCaptureAdapter,
-    )
-
-    def post(url: str, json_body: dict[str, Any], timeout: float) -> Any:
-        assert url.endswith("/generate")
-        rows = bridge.generate(json_body)
-        if lose_response:
-            raise ConnectionError("response lost after the bridge answered")
-        return rows
-
-    # specforge/algorithms/eagle3/providers.py: server_streaming ServerCaptureLayout
-    schema = ServerCaptureSchema(aux_feature="hidden_state", last_hidden_feature="target",
-                                 passthrough=(("input_ids", "input_ids", ()),
-                                              ("loss_mask", "loss_mask", ())),
-                                 attention_mask_feature="attention_mask")
-    # Without a bridge object: SpecForge's own HTTP client (requests) to the bridge at ``url``.
-    return SGLangServerCaptureAdapter(url or "http://bridge", store, run_id="run",
-                                      algorithm="eagle3", schema=schema,
-                                      post_fn=post if bridge is not None else None)
-
-
-def sf_capture(layers=SPECFORGE_LAYERS, hidden: int = HIDDEN):
-    from specforge.inference.capture import CaptureConfig
-
-    return CaptureConfig.from_strategy(
-        {"hidden_state", "target", "input_ids", "loss_mask", "attention_mask"}, layers,
-        target_repr="hidden_state", target_hidden_size=hidden)
+def _capture(layers: tuple[int, ...] = SPECFORGE_LAYERS):
+    return sf_capture(layers, HIDDEN)
 
 
 def sf_tasks(lengths: list[int], attempt: int = 0, first: int = 0):
@@ -258,7 +181,7 @@ def test_a_batch_of_chunked_prompts_reads_back_through_specforges_store(
     the final state, the passthroughs); the dump dir is empty afterwards."""
     bridge = Bridge(dump_dir, sink, engine)
     tasks = sf_tasks([5, 23, 40])
-    refs = sf_adapter(store, bridge).produce_refs(tasks, capture=sf_capture())
+    refs = sf_adapter(store, bridge).produce_refs(tasks, capture=_capture())
     for task, ref in zip(tasks, refs, strict=True):
         assert ref.metadata["generation"] == 1, ref
         assert ref.feature_specs["hidden_state"].shape == (1, len(task.payload["input_ids"]),
@@ -275,11 +198,11 @@ def test_a_retry_after_a_lost_response_leaves_only_the_retrys_values(
     bridge = Bridge(dump_dir, sink, engine)
     with pytest.raises(ConnectionError):
         sf_adapter(store, bridge, lose_response=True).produce_refs(sf_tasks([30], first=10),
-                                                                 capture=sf_capture())
+                                                                 capture=_capture())
     first = engine.written.copy()
     engine.seed = 1  # the retry's prefill gives other values: which attempt is read shows
     tasks = sf_tasks([30], attempt=1, first=10)
-    (ref,) = sf_adapter(store, bridge).produce_refs(tasks, capture=sf_capture())
+    (ref,) = sf_adapter(store, bridge).produce_refs(tasks, capture=_capture())
     assert not torch.equal(first[tuple(tasks[0].payload["input_ids"])],
                            engine.written[tuple(tasks[0].payload["input_ids"])])
     _assert_readable(store, engine, tasks[0], ref)
@@ -295,7 +218,7 @@ def test_a_failed_dump_answers_specforges_failure_and_its_neighbours_succeed(
     bridge = Bridge(dump_dir, sink, engine)
     engine.fail = {1}
     tasks = sf_tasks([12, 12, 12], first=20)
-    refs = sf_adapter(store, bridge).produce_refs(tasks, capture=sf_capture())
+    refs = sf_adapter(store, bridge).produce_refs(tasks, capture=_capture())
     assert isinstance(refs[1], ServerCaptureFailure) and refs[1].retryable
     assert "stand-in failure" in refs[1].reason
     assert sink.store.is_exist(f"{store.store_id}/run:task21/g1/target") == 0
@@ -312,7 +235,7 @@ def test_layers_other_than_the_trainers_are_refused_naming_both(
 
     bridge = Bridge(dump_dir, sink, engine)
     (fail,) = sf_adapter(store, bridge).produce_refs(sf_tasks([9], first=30),
-                                                   capture=sf_capture(layers=(2, 3, 5)))
+                                                   capture=_capture((2, 3, 5)))
     assert isinstance(fail, ServerCaptureFailure) and not fail.retryable
     assert "(1, 3, 5) != requested (2, 3, 5)" in fail.reason, fail.reason
     assert _rid_dirs(dump_dir) == []
@@ -326,7 +249,7 @@ def test_concurrent_requests_each_read_back_their_own_features(
     batches = [sf_tasks([11 + 3 * b, 20, 33 - b], first=100 + 10 * b) for b in range(4)]
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(
-            lambda tasks: sf_adapter(store, bridge).produce_refs(tasks, capture=sf_capture()),
+            lambda tasks: sf_adapter(store, bridge).produce_refs(tasks, capture=_capture()),
             batches))
     for tasks, refs in zip(batches, results, strict=True):
         for task, ref in zip(tasks, refs, strict=True):
@@ -342,10 +265,10 @@ def test_a_first_attempt_never_overwrites_existing_keys(
 
     bridge = Bridge(dump_dir, sink, engine)
     tasks = sf_tasks([14], first=40)
-    (ref,) = sf_adapter(store, bridge).produce_refs(tasks, capture=sf_capture())
+    (ref,) = sf_adapter(store, bridge).produce_refs(tasks, capture=_capture())
     kept = engine.written.copy()
     engine.seed = 2
-    (fail,) = sf_adapter(store, bridge).produce_refs(tasks, capture=sf_capture())
+    (fail,) = sf_adapter(store, bridge).produce_refs(tasks, capture=_capture())
     assert isinstance(fail, ServerCaptureFailure) and "exist" in fail.reason, fail
     engine.written = kept
     _assert_readable(store, engine, tasks[0], ref)
@@ -364,7 +287,7 @@ def test_over_http_with_specforges_own_client(store, sink, dump_dir: Path,
     url = f"http://127.0.0.1:{server.server_address[1]}"
     try:
         tasks = sf_tasks([8, 27], first=50)
-        refs = sf_adapter(store, None, url=url).produce_refs(tasks, capture=sf_capture())
+        refs = sf_adapter(store, None, url=url).produce_refs(tasks, capture=_capture())
         for task, ref in zip(tasks, refs, strict=True):
             _assert_readable(store, engine, task, ref)
         r = requests.post(f"{url}/generate", json={"input_ids": [1, 2]}, timeout=30)
@@ -387,7 +310,7 @@ def test_a_prompt_served_from_cache_fails_naming_the_radix_cache(
 
     engine.cached = 4
     (fail,) = sf_adapter(store, Bridge(dump_dir, sink, engine)).produce_refs(
-        sf_tasks([10], first=60), capture=sf_capture())
+        sf_tasks([10], first=60), capture=_capture())
     assert isinstance(fail, ServerCaptureFailure) and "radix" in fail.reason, fail
     assert sink.store.is_exist(f"{store.store_id}/run:task60/g1/target") == 0
     assert _rid_dirs(dump_dir) == []
@@ -421,7 +344,7 @@ def test_features_in_flight_are_capped_by_workers_whatever_the_requests(
     batches = [sf_tasks([9, 17, 25], first=200 + 10 * b) for b in range(4)]
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(
-            lambda tasks: sf_adapter(store, bridge).produce_refs(tasks, capture=sf_capture()),
+            lambda tasks: sf_adapter(store, bridge).produce_refs(tasks, capture=_capture()),
             batches))
     assert counting.peak == 2, counting.peak
     for tasks, refs in zip(batches, results, strict=True):
