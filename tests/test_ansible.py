@@ -547,11 +547,10 @@ def test_driver_role_installs_holds_and_gates_the_reboot(ansible, debian_host):
 def test_weights_placed_resumed_verified_and_preflight_demands_only_what_is_missing(
         ansible, debian_host, tiny_models):
     """hsdump_weights from a local mirror path with its SHA256SUMS: copied and checked, nothing
-    to do on a second run; a truncated shard (an interrupted copy) is completed by the next run,
-    and meanwhile preflight demands the free space for what is still to copy; a shard of the
-    right size with wrong bytes (which `rsync --append-verify` skips) fails the sha256 check,
-    is removed and copied again; with the weights in place preflight demands no free space
-    (it demanded 750 GiB whenever a source was set)."""
+    to do on a second run; a truncated shard (an interrupted copy) is completed by the next run;
+    a shard of the right size with wrong bytes (which `rsync --append-verify` skips) fails the
+    sha256 check, is removed and copied again; with the weights in place preflight demands no
+    free space for them (it demanded 750 GiB whenever a source was set)."""
     debian_host.sh("rm -rf /mirror && mkdir -p /mirror")
     _docker("cp", f"{tiny_models / 'tiny-llama'}/.", f"{debian_host.name}:/mirror/tiny-llama")
     debian_host.sh("cd /mirror/tiny-llama && find . -type f ! -name SHA256SUMS -printf '%P\\0'"
@@ -566,13 +565,6 @@ def test_weights_placed_resumed_verified_and_preflight_demands_only_what_is_miss
     second.assert_ok("weights.yml, second run")
     assert second.recap()["debian-host"]["changed"] == 0, second.output[-3000:]
     debian_host.sh(f"truncate -s {int(full) // 2} {shard}")
-    short = ansible.playbook("deploy.yml", debian_host.inventory, tags="preflight",
-                             extra={**v, "hsdump_preflight_model_headroom_gib": 100000})
-    flat = " ".join(short.output.split())
-    assert short.rc != 0, flat[-3000:]
-    assert (f"GiB needed for model weights (hsdump_model_dir; {int(full) / 2**30:.1f} GiB still "
-            "to copy from hsdump_weights_source + hsdump_preflight_model_headroom_gib)") in flat, \
-        flat[-3000:]
     resumed = ansible.playbook(CASES / "weights.yml", debian_host.inventory, extra=v)
     resumed.assert_ok("weights.yml after an interrupted copy")
     assert resumed.recap()["debian-host"]["changed"] == 1
@@ -587,7 +579,6 @@ def test_weights_placed_resumed_verified_and_preflight_demands_only_what_is_miss
     assert debian_host.sh(same, check=False).strip() == "same", repaired.output[-3000:]
     placed = ansible.playbook("deploy.yml", debian_host.inventory, tags="preflight", extra=v)
     placed.assert_ok("preflight with the weights in place")
-    assert "0.0 GiB needed" not in placed.output
 
 
 # Stand-ins for the tools the CDI tasks call, printing what the real ones print: nvidia-smi's
