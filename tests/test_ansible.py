@@ -200,6 +200,89 @@ def test_preflight_fails_on_a_fabric_that_is_not_up(ansible, tiny_models, tmp_pa
     assert "hsdump_driver_fabricmanager=true" in flat
 
 
+# Stand-ins for the driver's tools on an 8x H200 host, in the formats of NVIDIA's nvidia-smi
+# (query CSV, `-q`, `-q -d ROW_REMAPPER`) and of the kernel log (dmesg).
+H200_BUS = [f"00000000:{b:02X}:00.0" for b in (0x18, 0x2A, 0x3A, 0x5D, 0x9A, 0xAB, 0xBA, 0xDB)]
+
+
+def _h200_smi(bin_dir: Path, *, recovery: dict[int, str], pending: set[int],
+              failure: set[int]) -> None:
+    """``nvidia-smi`` for 8 healthy H200s except the given row remapper and recovery flags."""
+    def block(i: int, lines: list[str]) -> str:
+        return "".join(f"echo '{x}'\n" for x in [f"GPU {H200_BUS[i]}", *lines])
+    full = "".join(block(i, [
+        "    Product Name                          : NVIDIA H200",
+        "    Fabric", "        State                             : Completed",
+        "        Status                            : Success",
+        "    GPU Reset Status",
+        "        Reset Required                    : Requested functionality has been deprecated",
+        f"    GPU Recovery Action                   : {recovery.get(i, 'None')}",
+    ]) for i in range(8))
+    rows = "".join(block(i, [
+        "    Remapped Rows", "        Correctable Error                 : 0",
+        f"        Uncorrectable Error               : {int(i in pending)}",
+        f"        Pending                           : {'Yes' if i in pending else 'No'}",
+        f"        Remapping Failure Occurred        : {'Yes' if i in failure else 'No'}",
+        "        Bank Remap Availability Histogram",
+        "            Max                           : 639 bank(s)"]) for i in range(8))
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text(
+        '#!/bin/sh\nhead() { echo "==============NVSMI LOG=============="; echo;'
+        " echo 'Driver Version                            : 580.95.05'; echo;"
+        " echo 'Attached GPUs                             : 8'; }\n"
+        f'if [ "$*" = "-q -d ROW_REMAPPER" ]; then head\n{rows}exit 0; fi\n'
+        f'if [ "$1" = -q ]; then head\n{full}exit 0; fi\n'
+        + "".join(f"echo '{i}, NVIDIA H200, 580.95.05, 143771, Disabled, 0'\n" for i in range(8)))
+    smi.chmod(0o755)
+
+
+def _dmesg(bin_dir: Path, lines: list[str]) -> None:
+    dmesg = bin_dir / "dmesg"
+    dmesg.write_text("#!/bin/sh\n" + "".join(f"echo \"{x}\"\n" for x in lines))
+    dmesg.chmod(0o755)
+
+
+DRIVER_LOAD = ("NVRM: loading NVIDIA UNIX Open Kernel Module for x86_64  580.95.05  Release Build"
+               "  (dvs-builder@U22-I3-AF03-09-1)  Tue Sep 23 09:21:06 UTC 2025")
+XID_79 = ("NVRM: Xid (PCI:0000:2a:00): 79, pid='<unknown>', name=<unknown>, "
+          "GPU has fallen off the bus.")
+
+
+def test_preflight_gpu_faults_xid_since_driver_load_row_remapper_recovery(ansible, tmp_path):
+    """An Xid from before the driver's last load no longer fails (a reset never clears dmesg,
+    a reload does); a pending remap, a remapping failure and a recovery action fail with the
+    fix per GPU; an Xid after the load asks for a reboot, not a GPU reset."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    extra = {"hsdump_gpu_checks": True, "hsdump_preflight_gpu_count": 8}
+    _h200_smi(bin_dir, recovery={2: "Reboot", 3: "Drain P2P"}, pending={0}, failure={1})
+    _dmesg(bin_dir, [f"[    4.901234] {DRIVER_LOAD}", f"[ 8123.456789] {XID_79}",
+                     f"[ 9001.000001] {DRIVER_LOAD}"])  # the modules were reloaded since
+    faults = ansible.playbook("deploy.yml", ONE_HOST, tags="preflight", path_prepend=bin_dir,
+                              extra=extra)
+    flat = " ".join(faults.output.split())
+    assert faults.rc != 0 and "check for fatal Xid errors since the driver" in flat, flat[-3000:]
+    assert "check the NVLink fabric" in flat
+    b = H200_BUS
+    assert (f"cpu-host has GPU(s) that need attention before the server can use them: GPU {b[0]}:"
+            f" a row remapping is pending (nvidia-smi -q -d ROW_REMAPPER): reset the GPU "
+            f"(`nvidia-smi -r -i {b[0]}`, no process on it) or reboot to apply it; GPU {b[1]}: "
+            '"Remapping Failure Occurred: Yes"') in flat, flat[-3000:]
+    assert "take the GPU out of service, run the field diagnostic and RMA it" in flat
+    assert f'GPU {b[2]}: "GPU Recovery Action: Reboot": reboot the host' in flat
+    assert f'GPU {b[3]}: "GPU Recovery Action: Drain P2P": stop every process doing peer' in flat
+    _h200_smi(bin_dir, recovery={}, pending=set(), failure=set())
+    _dmesg(bin_dir, [f"[    4.901234] {DRIVER_LOAD}", f"[ 8123.456789] {XID_79}"])
+    xid = ansible.playbook("deploy.yml", ONE_HOST, tags="preflight", path_prepend=bin_dir,
+                           extra=extra)
+    flat = " ".join(xid.output.split())
+    assert xid.rc != 0 and xid.recap()["cpu-host"]["failed"] == 1, flat[-3000:]
+    assert (f"cpu-host logged NVIDIA Xid 79 since the NVIDIA driver was last loaded (dmesg: "
+            f"[ 8123.456789] {XID_79}). A GPU reset does not clear this record") in flat, \
+        flat[-3000:]
+    assert "then reboot the host or reload the nvidia kernel modules" in flat
+
+
 def _remount_shm(size: int) -> None:
     subprocess.run(["mount", "-o", f"remount,size={size // 1024}k", "/dev/shm"], check=True)
 
@@ -384,11 +467,17 @@ def test_driver_role_installs_holds_and_gates_the_reboot(ansible, debian_host):
     assert second.recap()["debian-host"]["changed"] == 0, second.output[-3000:]
 
 
-def test_weights_placed_resumed_and_verified(ansible, debian_host, tiny_models):
-    """hsdump_weights from a local mirror path: copied and checked, nothing to do on a second
-    run; a truncated shard (an interrupted copy) is completed by the next run."""
+def test_weights_placed_resumed_verified_and_preflight_demands_only_what_is_missing(
+        ansible, debian_host, tiny_models):
+    """hsdump_weights from a local mirror path with its SHA256SUMS: copied and checked, nothing
+    to do on a second run; a truncated shard (an interrupted copy) is completed by the next run;
+    a shard of the right size with wrong bytes (which `rsync --append-verify` skips) fails the
+    sha256 check, is removed and copied again; with the weights in place preflight demands no
+    free space for them (it demanded 750 GiB whenever a source was set)."""
     debian_host.sh("rm -rf /mirror && mkdir -p /mirror")
     _docker("cp", f"{tiny_models / 'tiny-llama'}/.", f"{debian_host.name}:/mirror/tiny-llama")
+    debian_host.sh("cd /mirror/tiny-llama && find . -type f ! -name SHA256SUMS -printf '%P\\0'"
+                   " | xargs -0 sha256sum > SHA256SUMS")  # as docs/operations.md says
     v = {"hsdump_weights_source": "/mirror/tiny-llama", "hsdump_model_dir": "/models/tiny-llama"}
     first = ansible.playbook(CASES / "weights.yml", debian_host.inventory, extra=v)
     first.assert_ok("weights.yml")
@@ -402,8 +491,116 @@ def test_weights_placed_resumed_and_verified(ansible, debian_host, tiny_models):
     resumed = ansible.playbook(CASES / "weights.yml", debian_host.inventory, extra=v)
     resumed.assert_ok("weights.yml after an interrupted copy")
     assert resumed.recap()["debian-host"]["changed"] == 1
-    assert debian_host.sh(f"cmp {shard} /mirror/tiny-llama/model.safetensors && echo same") \
-        .strip() == "same"
+    same = f"cmp {shard} /mirror/tiny-llama/model.safetensors && echo same"
+    assert debian_host.sh(same).strip() == "same"
+    debian_host.sh(f"printf 'not the weights' | dd of={shard} bs=1 seek={int(full) // 2}"
+                   " conv=notrunc 2>/dev/null")  # same size, wrong bytes
+    assert debian_host.sh(f"stat -c %s {shard}").strip() == full
+    repaired = ansible.playbook(CASES / "weights.yml", debian_host.inventory, extra=v)
+    repaired.assert_ok("weights.yml with a corrupt shard")
+    assert "model.safetensors" in " ".join(repaired.output.split())
+    assert debian_host.sh(same, check=False).strip() == "same", repaired.output[-3000:]
+    placed = ansible.playbook("deploy.yml", debian_host.inventory, tags="preflight", extra=v)
+    placed.assert_ok("preflight with the weights in place")
+
+
+# Stand-ins for the tools the CDI tasks call, printing what the real ones print: nvidia-smi's
+# driver_version query (the version in /run/hsdump-test-driver), `nvidia-ctk cdi generate` (a
+# spec that mounts the driver's libraries by their versioned names, as the real one does; its
+# logrus lines) and `nvidia-ctk runtime configure --cdi.enabled` (merges features.cdi into
+# daemon.json), `docker version` of a Docker 28.1 engine, and the `systemctl` calls on the
+# toolkit's nvidia-cdi-refresh unit (active after its oneshot run: RemainAfterExit; its
+# ExecStart is `nvidia-ctk cdi generate`, NVIDIA_CTK_CDI_OUTPUT_FILE_PATH=/var/run/cdi/nvidia.yaml).
+CDI_STANDINS = r"""
+set -e
+cat > /usr/local/bin/nvidia-smi <<'X'
+#!/bin/sh
+for i in 0 1 2 3 4 5 6 7; do cat /run/hsdump-test-driver; done
+X
+cat > /usr/local/bin/nvidia-ctk <<'X'
+#!/bin/sh
+v=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -n 1)
+case "$1 $2" in
+"cdi generate")
+  out=${NVIDIA_CTK_CDI_OUTPUT_FILE_PATH:-}
+  for a in "$@"; do case $a in --output=*) out=${a#--output=};; esac; done
+  mkdir -p "$(dirname "$out")"
+  { echo '---'; echo 'cdiVersion: 0.5.0'; echo 'containerEdits:'; echo '  mounts:'
+    for l in libcuda.so libnvidia-ml.so libnvidia-ptxjitcompiler.so; do
+      echo "  - containerPath: /usr/lib/x86_64-linux-gnu/$l.$v"
+      echo "    hostPath: /usr/lib/x86_64-linux-gnu/$l.$v"
+      echo '    options: [ro, nosuid, nodev, bind]'
+    done
+    echo 'devices:'; echo '- containerEdits:'; echo '    deviceNodes:'
+    echo '    - path: /dev/nvidia0'; echo '  name: "0"'; echo 'kind: nvidia.com/gpu'; } > "$out"
+  echo 'INFO[0000] Auto-detected mode as "nvml"' >&2
+  echo "INFO[0000] Generated CDI spec with version 0.5.0" >&2;;
+"runtime configure")
+  python3 -c 'import json, pathlib; p = pathlib.Path("/etc/docker/daemon.json")
+p.parent.mkdir(exist_ok=True); c = json.loads(p.read_text()) if p.exists() else {}
+c.setdefault("features", {})["cdi"] = True; p.write_text(json.dumps(c, indent=4))'
+  echo 'INFO[0000] Wrote updated config to /etc/docker/daemon.json' >&2
+  echo 'INFO[0000] It is recommended that docker daemon be restarted.' >&2;;
+*) echo "nvidia-ctk stand-in: $*" >&2; exit 1;;
+esac
+X
+printf '#!/bin/sh\necho 28.1.1\n' > /usr/local/bin/docker
+cat > /usr/local/sbin/systemctl-refresh <<'X'
+#!/bin/sh
+case "$1 $2" in
+"cat nvidia-cdi-refresh.service")
+  printf '[Service]\nType=oneshot\nExecStart=/usr/bin/nvidia-ctk cdi generate\n';;
+"show nvidia-cdi-refresh.service")
+  printf 'Id=nvidia-cdi-refresh.service\nLoadState=loaded\nActiveState=active\nSubState=exited\n';;
+"restart nvidia-cdi-refresh.service")
+  NVIDIA_CTK_CDI_OUTPUT_FILE_PATH=/var/run/cdi/nvidia.yaml nvidia-ctk cdi generate;;
+*) echo "Unit $2 could not be found." >&2; exit 1;;
+esac
+X
+chmod 755 /usr/local/bin/nvidia-smi /usr/local/bin/nvidia-ctk /usr/local/bin/docker \
+  /usr/local/sbin/systemctl-refresh
+"""
+
+
+def test_cdi_spec_follows_the_driver_and_docker_before_28_2_gets_features_cdi(ansible,
+                                                                               debian_host):
+    """A CDI spec generated for the old driver is regenerated after a driver update (it was
+    generated once, `creates:`); Docker 28.1 gets features.cdi (CDI is on by default from
+    28.2, not 28.0); --check changes nothing; a second run changes nothing; with the
+    toolkit's nvidia-cdi-refresh service the role restarts it instead of writing its own."""
+    host = debian_host
+    host.sh(CDI_STANDINS)
+    spec = "/etc/cdi/nvidia.yaml"
+    host.sh(f"rm -rf /etc/cdi /var/run/cdi /etc/docker/daemon.json && echo 570.86.15 > "
+            f"/run/hsdump-test-driver && nvidia-ctk cdi generate --output={spec} 2>/dev/null"
+            " && echo 580.95.05 > /run/hsdump-test-driver")  # the driver update (and reboot)
+    v = {"hsdump_gpu_mode": "cdi"}
+    try:
+        check = ansible.playbook(CASES / "cdi.yml", host.inventory, extra=v, check=True)
+        check.assert_ok("cdi.yml --check")
+        assert "libcuda.so.570.86.15" in host.sh(f"cat {spec}")
+        assert host.sh("ls /etc/docker/daemon.json", check=False) == ""
+        first = ansible.playbook(CASES / "cdi.yml", host.inventory, extra=v)
+        first.assert_ok("cdi.yml")
+        assert first.recap()["debian-host"]["changed"] == 2, first.output[-3000:]
+        text = host.sh(f"cat {spec}")
+        assert "libcuda.so.580.95.05" in text and "570.86.15" not in text, text
+        assert json.loads(host.sh("cat /etc/docker/daemon.json")) == {"features": {"cdi": True}}
+        second = ansible.playbook(CASES / "cdi.yml", host.inventory, extra=v)
+        second.assert_ok("cdi.yml, second run")
+        assert second.recap()["debian-host"]["changed"] == 0, second.output[-3000:]
+        # Toolkit >= 1.18: nvidia-cdi-refresh owns /var/run/cdi/nvidia.yaml; after the next
+        # driver update the role restarts it (RemainAfterExit: a start would do nothing).
+        host.sh("cp /usr/local/sbin/systemctl-refresh /usr/local/bin/systemctl"
+                " && echo 590.44.01 > /run/hsdump-test-driver")
+        refresh = ansible.playbook(CASES / "cdi.yml", host.inventory, extra=v)
+        refresh.assert_ok("cdi.yml with nvidia-cdi-refresh")
+        assert refresh.recap()["debian-host"]["changed"] == 1, refresh.output[-3000:]
+        assert "libcuda.so.590.44.01" in host.sh("cat /var/run/cdi/nvidia.yaml")
+        assert "libcuda.so.580.95.05" in host.sh(f"cat {spec}")  # not the role's any more
+    finally:
+        host.sh("rm -f /usr/local/bin/nvidia-smi /usr/local/bin/nvidia-ctk /usr/local/bin/docker"
+                " /usr/local/bin/systemctl /usr/local/sbin/systemctl-refresh", check=False)
 
 
 # ----------------------------------------------------------------------------- deploy sequence
