@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -384,16 +385,20 @@ def test_docker_ce_is_kept_and_docker_io_refused(ansible, debian_host):
 # Stand-ins for NVIDIA's CUDA apt repository: a flat file: repository of small packages with
 # the real names (two builds of Fabric Manager and NSCQ: the driver's and a newer one apt would
 # prefer), and a cuda-keyring package that adds it, as the real one adds
-# developer.download.nvidia.com/compute/cuda/repos/<distro>/<arch>/ (sources.list.d).
+# developer.download.nvidia.com/compute/cuda/repos/<distro>/<arch>/ (sources.list.d). A second
+# one, already configured, stands in for Ubuntu's restricted archive: the precompiled driver's
+# packages, one of them pulling in a dependency (libnvidia-compute) that only a hold on every
+# installed NVIDIA package keeps in place.
 CUDA_STANDIN = r"""
 set -e
-ctl() {  # name version dir: the DEBIAN/control of a package
+ctl() {  # name version dir [depends]: the DEBIAN/control of a package
   mkdir -p $3/DEBIAN && chmod -R 755 $3
   printf 'Package: %s\nVersion: %s\nArchitecture: all\n' "$1" "$2" > $3/DEBIAN/control
+  [ -z "$4" ] || printf 'Depends: %s\n' "$4" >> $3/DEBIAN/control
   printf 'Maintainer: hsdump tests\nDescription: stand-in\n' >> $3/DEBIAN/control
 }
-deb() {  # name version repo: a package of that name and version, empty
-  d=$(mktemp -d); ctl "$1" "$2" $d
+deb() {  # name version repo [depends]: a package of that name and version, empty
+  d=$(mktemp -d); ctl "$1" "$2" $d "$4"
   dpkg-deb -b $d "$3/$1_$2_all.deb" >/dev/null; rm -rf $d
 }
 repo=/srv/cuda-standin; mkdir -p $repo
@@ -401,46 +406,122 @@ for v in 580.95.05-1 580.105.08-1; do
   deb nvidia-fabricmanager-580 $v $repo; deb libnvidia-nscq-580 $v $repo
 done
 deb nvlsm 2025.06.6-1 $repo; deb libnvsdm-580 580.95.05-1 $repo
-cd $repo && for f in *.deb; do
-  dpkg-deb -f $f; echo "Filename: ./$f"; echo "Size: $(stat -c %s $f)"
-  echo "SHA256: $(sha256sum $f | cut -d' ' -f1)"; echo
-done > Packages
+index() {  # repo: its Packages file
+  (cd $1 && for f in *.deb; do
+    dpkg-deb -f $f; echo "Filename: ./$f"; echo "Size: $(stat -c %s $f)"
+    echo "SHA256: $(sha256sum $f | cut -d' ' -f1)"; echo
+  done > Packages)
+}
+index $repo
+u=/srv/ubuntu-standin; mkdir -p $u; v=580.95.05-0ubuntu0.24.04.2
+deb nvidia-headless-no-dkms-580-server-open $v $u libnvidia-compute-580-server
+deb libnvidia-compute-580-server $v $u; deb nvidia-utils-580-server $v $u
+deb nvidia-compute-utils-580-server $v $u
+deb linux-modules-nvidia-580-server-open-generic 6.8.0-87.88 $u
+index $u; echo "deb [trusted=yes] file:$u ./" > /etc/apt/sources.list.d/ubuntu-standin.list
+apt-get update -qq -o Dir::Etc::sourcelist=sources.list.d/ubuntu-standin.list \
+  -o Dir::Etc::sourceparts=- -o APT::Get::List-Cleanup=0
 k=$(mktemp -d); ctl cuda-keyring 1.1-1 $k; mkdir -p $k/etc/apt/sources.list.d
 echo "deb [trusted=yes] file:$repo ./" > $k/etc/apt/sources.list.d/cuda-debian12-x86_64.list
 dpkg-deb -b $k /srv/cuda-keyring_1.1-1_all.deb >/dev/null
 """
 FM_PACKAGES = ("nvidia-fabricmanager-580", "libnvidia-nscq-580", "nvlsm", "libnvsdm-580")
+DRIVER_PACKAGES = ("nvidia-headless-no-dkms-580-server-open", "libnvidia-compute-580-server",
+                   "nvidia-utils-580-server", "nvidia-compute-utils-580-server",
+                   "linux-modules-nvidia-580-server-open-generic")
+# Stand-ins for the host's tools, printing what the real ones print: `mokutil --sb-state`
+# ("SecureBoot enabled"), `modinfo -F version nvidia`, modprobe (silent on success; its
+# "Module ... not found" otherwise; the loaded module appears under /sys/module), systemctl
+# (the unit properties `systemctl show` prints, `is-enabled`; every action logged), the
+# `nvidia-smi -q` Fabric section of an HGX GPU (the states of FABRIC_STATES one call after the
+# other, the last one for good), and a reboot that loads the module version of NEXT_LOADED.
+SYS_MODULE = "/run/hsdump-test-sys-module"
+SYSTEMD = "/run/hsdump-test-systemd"
+LOADED = "/run/hsdump-test-nvidia-version"
+NEXT_LOADED = "/run/hsdump-test-next-loaded"
+FABRIC_STATES = "/run/hsdump-test-fabric"
+BOOT_ID = "/run/hsdump-test-boot-id"
+HOST_TOOLS = {
+    "mokutil": "echo 'SecureBoot enabled'",
+    "modinfo": "echo 580.95.05",
+    "modprobe": f"""if [ -e /run/hsdump-test-no-$1 ]; then
+  echo "modprobe: FATAL: Module $1 not found in directory /lib/modules/$(uname -r)" >&2; exit 1
+fi
+mkdir -p {SYS_MODULE}/$1""",
+    "systemctl": f"""d={SYSTEMD}; mkdir -p $d; u=${{2%.service}}
+case $1 in
+  daemon-reload) ;;
+  show) a=inactive; s=dead; e=disabled
+    [ -e $d/$u.active ] && a=active && s=running; [ -e $d/$u.enabled ] && e=enabled
+    printf 'Id=%s.service\\nLoadState=loaded\\nActiveState=%s\\nSubState=%s\\n' $u $a $s
+    printf 'UnitFileState=%s\\n' $e ;;
+  is-enabled) [ -e $d/$u.enabled ] && echo enabled && exit 0; echo disabled; exit 1 ;;
+  enable) touch $d/$u.enabled; echo "enable $u" >> $d/log ;;
+  start|restart) touch $d/$u.active; echo "$1 $u" >> $d/log ;;
+  *) echo "stand-in systemctl: $*" >&2; exit 1 ;;
+esac""",
+    "nvidia-smi": f"""[ "$1" = -q ] || exit 1
+f={FABRIC_STATES}; state=$(head -n1 $f); [ "$(wc -l < $f)" -gt 1 ] && sed -i 1d $f
+status=N/A; [ "$state" = Completed ] && status=Success
+echo '==============NVSMI LOG=============='; printf '%-42s: %s\\n' 'Driver Version' 580.95.05
+for b in 18 2a 3a 5d; do echo "GPU 00000000:$b:00.0"
+  printf '    %-38s: %s\\n' 'Product Name' 'NVIDIA B200'; echo '    Fabric'
+  printf '        %-34s: %s\\n' State "$state" Status $status CliqueId N/A ClusterUUID N/A
+done""",
+    "hsdump-test-reboot": f"cat {NEXT_LOADED} > {LOADED}; date +%s%N > {BOOT_ID}",
+}
 
 
 def test_driver_role_installs_holds_and_gates_the_reboot(ansible, debian_host):
-    """hsdump_driver on Debian: --check is clean on the fresh host; Fabric Manager's packages
-    come from NVIDIA's CUDA repository, which the role adds (cuda-keyring), Fabric Manager and
-    NSCQ at the installed driver's version although a newer build is there; a run that needs a
-    reboot fails with the versions and the flag; after the (simulated) reboot it converges and
-    a second run changes nothing. Stand-ins: small Debian packages for the NVIDIA ones (a
-    Debian package for the driver), a `modinfo` that reports the installed module version, and
-    a file for the running module's version (/sys/module/nvidia/version in a container cannot
-    be written)."""
-    loaded = "/run/hsdump-test-nvidia-version"
-    debian_host.sh("printf '#!/bin/sh\\necho 580.95.05\\n' > /usr/local/sbin/modinfo && "
-                   f"chmod 755 /usr/local/sbin/modinfo && echo 575.57.08 > {loaded}")
+    """hsdump_driver on Debian: the DKMS flavour under Secure Boot stops the play before any
+    install; --check is clean on the fresh host; Fabric Manager's packages come from NVIDIA's
+    CUDA repository, which the role adds (cuda-keyring), Fabric Manager and NSCQ at the
+    installed driver's version although a newer build is there; every installed NVIDIA package
+    is held and listed for unattended-upgrades; a run that needs a reboot fails with the
+    versions and the flag; a reboot after which the old module still runs fails saying what to
+    check; after a good one it loads ib_umad and mlx5_ib (failing on a missing module with the
+    package that has it), restarts nvidia-persistenced for its new override, waits out the
+    fabric's "In Progress", and a second run changes nothing; a fabric that never completes
+    fails after the bounded wait. Stand-ins: HOST_TOOLS, small Debian packages for the NVIDIA
+    ones, and files for the running module's version and /sys/module (a container cannot
+    write them)."""
+    tools = "".join(f"printf '%s\\n' '#!/bin/sh' {shlex.quote(body)} > /usr/local/sbin/{name}; "
+                    f"chmod 755 /usr/local/sbin/{name}; " for name, body in HOST_TOOLS.items())
+    debian_host.sh(tools + f"echo 575.57.08 > {LOADED}; echo 575.57.08 > {NEXT_LOADED}; "
+                   f"echo boot-1 > {BOOT_ID}; printf 'In Progress\\nIn Progress\\nCompleted\\n' "
+                   f"> {FABRIC_STATES}; touch /run/hsdump-test-no-mlx5_ib")
     debian_host.sh(CUDA_STANDIN)
+    # What the apt module installs on its first real run, which --check cannot (it runs on its
+    # own here, without the Docker CE test's runs before it).
+    debian_host.sh("apt-get install -qq -y python3-apt >/dev/null")
     v = {"hsdump_driver_install": True, "hsdump_driver_fabricmanager": True,
-         "hsdump_driver_packages": ["hello"],
+         "hsdump_driver_kernel_flavour": "generic",
          "hsdump_driver_cuda_keyring_url": "/srv/cuda-keyring_1.1-1_all.deb",
-         "hsdump_driver_manage_services": False, "hsdump_driver_loaded_version_file": loaded}
+         "hsdump_driver_loaded_version_file": LOADED, "hsdump_driver_sys_module_dir": SYS_MODULE,
+         "hsdump_driver_fabric_poll_s": 1, "hsdump_driver_fabric_wait_s": 20,
+         "hsdump_driver_reboot_command": "/usr/local/sbin/hsdump-test-reboot",
+         "hsdump_driver_boot_time_command": f"cat {BOOT_ID}"}
+
+    def run(check: bool = False, **extra):
+        r = ansible.playbook(CASES / "driver.yml", debian_host.inventory, extra={**v, **extra},
+                             check=check)
+        return r, " ".join(r.output.split())
+
     # A distribution NVIDIA's CUDA repository lacks stops the play before any install.
-    no_repo = ansible.playbook(CASES / "driver.yml", debian_host.inventory, extra={
-        **v, "hsdump_driver_cuda_repo_distros": ["ubuntu2204", "ubuntu2404"]})
-    flat = " ".join(no_repo.output.split())
+    no_repo, flat = run(hsdump_driver_cuda_repo_distros=["ubuntu2204", "ubuntu2404"])
     assert no_repo.rc != 0 and "install the driver packages" not in flat, flat[-3000:]
     assert ("needs nvlsm and libnvsdm from NVIDIA's CUDA repository, which has no debian12 "
             "directory (only ubuntu2204, ubuntu2404)") in flat, flat[-3000:]
     assert "set hsdump_driver_cuda_repo=false" in flat
-    check = ansible.playbook(CASES / "driver.yml", debian_host.inventory, extra=v, check=True)
+    # So does Secure Boot with DKMS, which builds a module Secure Boot refuses to load.
+    dkms, flat = run(hsdump_driver_flavour="dkms")
+    assert dkms.rc != 0 and "install the driver packages" not in flat, flat[-3000:]
+    assert ("debian-host boots with Secure Boot on (mokutil --sb-state: SecureBoot enabled), "
+            "which refuses the unsigned nvidia module that hsdump_driver_flavour=dkms builds"
+            in flat and "Use hsdump_driver_flavour=precompiled" in flat), flat[-3000:]
+    check, _ = run(check=True)
     check.assert_ok("driver.yml --check on a fresh host")
-    needs_reboot = ansible.playbook(CASES / "driver.yml", debian_host.inventory, extra=v)
-    flat = " ".join(needs_reboot.output.split())
+    needs_reboot, flat = run()
     assert needs_reboot.rc != 0
     assert ("debian-host needs a reboot to load NVIDIA driver 580.95.05 (loaded: 575.57.08). "
             "Reboot it, or rerun with -e hsdump_driver_reboot=true") in flat, flat[-3000:]
@@ -449,22 +530,55 @@ def test_driver_role_installs_holds_and_gates_the_reboot(ansible, debian_host):
     assert dict(line.split() for line in versions.splitlines()) == {
         "nvidia-fabricmanager-580": "580.95.05-1", "libnvidia-nscq-580": "580.95.05-1",
         "nvlsm": "2025.06.6-1", "libnvsdm-580": "580.95.05-1"}, versions
-    held = debian_host.sh("dpkg --get-selections hello " + " ".join(FM_PACKAGES)).split()
-    assert dict(zip(held[::2], held[1::2], strict=True)) == dict.fromkeys(
-        ("hello", *FM_PACKAGES), "hold")
+    held = debian_host.sh("dpkg --get-selections " + " ".join(DRIVER_PACKAGES + FM_PACKAGES))
+    assert dict(zip(held.split()[::2], held.split()[1::2], strict=True)) == dict.fromkeys(
+        DRIVER_PACKAGES + FM_PACKAGES, "hold"), held
+    assert 'Unattended-Upgrade::Package-Blacklist:: "libnvidia-(?!container)";' in \
+        debian_host.sh("apt-config dump")
     assert "--persistence-mode" in debian_host.sh(
         "cat /etc/systemd/system/nvidia-persistenced.service.d/override.conf")
-    debian_host.sh(f"echo 580.95.05 > {loaded}")  # what the host runs after the reboot
-    # Meanwhile someone let apt take the newer (held) build: the next run puts it back.
+    # The reboot comes back with the old module (Secure Boot refused the new one, say).
+    stale, flat = run(hsdump_driver_reboot=True)
+    assert stale.rc != 0
+    assert ("After the reboot debian-host runs nvidia module 575.57.08 (none: not loaded) while "
+            "580.95.05 is installed (none: not for this kernel). Check `mokutil --sb-state`"
+            in flat), flat[-3000:]
+    # A good reboot; mlx5_ib is not there (a cloud kernel without linux-modules-extra).
+    debian_host.sh(f"echo 580.95.05 > {NEXT_LOADED}")
+    no_mlx5, flat = run(hsdump_driver_reboot=True)
+    assert no_mlx5.rc != 0 and debian_host.sh(f"cat {LOADED}") == "580.95.05\n"
+    assert ("debian-host: modprobe: FATAL: Module mlx5_ib not found in directory /lib/modules/"
+            in flat and "On Ubuntu mlx5_ib and ib_umad are in linux-modules-extra-" in flat), \
+        flat[-3000:]
+    # Meanwhile someone let apt take the newer (held) build: the next run puts it back; and an
+    # older role's override is still in place, with nvidia-persistenced running on it: the new
+    # one takes effect through a restart, as no reboot follows.
     debian_host.sh("apt-get install -qq -y --allow-change-held-packages --allow-downgrades "
-                   "nvidia-fabricmanager-580=580.105.08-1 >/dev/null")
-    first = ansible.playbook(CASES / "driver.yml", debian_host.inventory, extra=v)
+                   "nvidia-fabricmanager-580=580.105.08-1 >/dev/null; "
+                   "rm /run/hsdump-test-no-mlx5_ib; echo '[Service]' > "
+                   "/etc/systemd/system/nvidia-persistenced.service.d/override.conf; "
+                   f"rm -f {SYSTEMD}/log; touch {SYSTEMD}/nvidia-persistenced.active")
+    first, _ = run()
     first.assert_ok("driver.yml after the reboot")
     assert debian_host.sh("dpkg-query -W -f='${Version}' nvidia-fabricmanager-580") \
         == "580.95.05-1"
-    second = ansible.playbook(CASES / "driver.yml", debian_host.inventory, extra=v)
+    assert debian_host.sh(f"ls {SYS_MODULE}").split() == ["ib_umad", "mlx5_ib"]
+    assert debian_host.sh("command -v ibstat && cat /etc/modules-load.d/hsdump-nvidia-fabric.conf"
+                          ).split()[1:] == ["ib_umad", "mlx5_ib"]
+    actions = debian_host.sh(f"cat {SYSTEMD}/log").splitlines()
+    assert actions == ["restart nvidia-persistenced", "start nvidia-fabricmanager"], actions
+    assert debian_host.sh(f"cat {FABRIC_STATES}") == "Completed\n"  # polled until Completed
+    second, _ = run()
     second.assert_ok("driver.yml, second run")
     assert second.recap()["debian-host"]["changed"] == 0, second.output[-3000:]
+    assert debian_host.sh(f"cat {SYSTEMD}/log").splitlines() == actions
+    # Fabric Manager up, but the fabric never leaves "In Progress": a bounded wait, then why.
+    debian_host.sh(f"echo 'In Progress' > {FABRIC_STATES}")
+    stuck, flat = run(hsdump_driver_fabric_wait_s=2)
+    assert stuck.rc != 0
+    assert ("nvidia-fabricmanager runs on debian-host, but after 2 s the NVLink fabric is not up "
+            "(nvidia-smi -q: State : In Progress; Status : N/A). Check `systemctl status "
+            "nvidia-fabricmanager` and /var/log/fabricmanager.log") in flat, flat[-3000:]
 
 
 def test_weights_placed_resumed_verified_and_preflight_demands_only_what_is_missing(
