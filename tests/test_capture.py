@@ -166,21 +166,25 @@ def _tracked_after_probe(s: DumpServer, rid: str, seed: int) -> dict:
 def test_per_request_bookkeeping_only_for_dumped_prefill(llama_server):
     """Decode steps (plain and as MIXED-forward tails) and requests that are not dumped add no
     per-request entries: after dumped requests with long decodes beside many non-dumped ones,
-    the writer rank's status.json shows its bookkeeping back where it was (issue 17)."""
+    the writer rank's status.json shows its bookkeeping back where it was (issue 17). Before
+    the fix each decode step re-noted its requests' prompt lengths, never to be dropped."""
     s = llama_server
     before = _tracked_after_probe(s, "hsdump-bookkeeping-probe-0", 900)
-    dumped = [f"hsdump-bookkeeping-{i}" for i in range(6)]
-    others = [f"plain-bookkeeping-{i}" for i in range(16)]
+    dumped = [f"hsdump-bookkeeping-{i}" for i in range(4)]
+    others = [f"plain-bookkeeping-{i}" for i in range(8)]
 
     def run(rid: str) -> None:
         i = int(rid.rsplit("-", 1)[1])
-        time.sleep(0.1 * i)  # later prompts prefill beside earlier requests' decodes
+        # Prompts arrive while earlier requests decode (their rows: MIXED-forward decode
+        # tails); the dumped ones decode on after the last prefill (plain decode steps).
+        time.sleep(0.1 * i + 0.05 * (rid in dumped))
+        n = 24 if rid in dumped else 4
         body = {"rid": rid, "input_ids": prompt(500 + i + 50 * (rid in others), 20 + 7 * i),
-                "sampling_params": {"max_new_tokens": 40, "temperature": 0,
+                "sampling_params": {"max_new_tokens": n, "temperature": 0,
                                     "ignore_eos": True}}
         r = requests.post(f"{s.url}/generate", json=body, timeout=300)
         r.raise_for_status()
-        assert r.json()["meta_info"]["completion_tokens"] == 40
+        assert r.json()["meta_info"]["completion_tokens"] == n
 
     with ThreadPoolExecutor(len(dumped) + len(others)) as pool:
         list(pool.map(run, dumped + others))
