@@ -45,6 +45,7 @@ DEFAULT_DUMP_DIR = "/dev/shm/sglang_hs"
 DEFAULT_RID_PREFIX = "hsdump-"
 
 SERVER_INFO = "server.json"
+STATUS = "status.json"  # the writer rank's counters, refreshed as it dumps
 DONE_MARKER = "done.json"
 ERROR_MARKER = "error.json"
 CHUNK_PREFIX = "chunk-"

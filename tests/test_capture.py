@@ -7,6 +7,7 @@ Dumps are checked against two independent references: HF transformers
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -19,6 +20,7 @@ import requests
 import torch
 
 from hsdump_patch import protocol
+from hsdump_patch.capture.session import STATUS_INTERVAL_S
 from hsdump_patch.ops import verify_checks
 from tests.conftest import CHUNK, DumpServer
 from tests.harness.dumps import read_dump, server_layers, wait_finished
@@ -147,6 +149,52 @@ def test_mixed_chunk_decode_tails_are_ignored(llama_server):
     for rid in prompts:
         status = protocol.request_status(s.dump_dir, rid)
         assert status.error is None and status.done is not None, (rid, status)
+
+
+def _tracked_after_probe(s: DumpServer, rid: str, seed: int) -> dict:
+    """The writer rank's bookkeeping sizes, from the status.json that the dumped forward of
+    a fresh probe request refreshes (its interval waited out first)."""
+    time.sleep(STATUS_INTERVAL_S + 0.2)
+    forwards = json.loads((s.dump_dir / protocol.STATUS).read_text())["forwards_dumped"]
+    dump_prompt(s, rid, prompt(seed, 9))
+    assert wait_finished(s.dump_dir, rid).done is not None, rid
+    status = json.loads((s.dump_dir / protocol.STATUS).read_text())
+    assert status["forwards_dumped"] > forwards, "status.json not refreshed by the probe"
+    return status["tracked"]
+
+
+def test_per_request_bookkeeping_only_for_dumped_prefill(llama_server):
+    """Decode steps (plain and as MIXED-forward tails) and requests that are not dumped add no
+    per-request entries: after dumped requests with long decodes beside many non-dumped ones,
+    the writer rank's status.json shows its bookkeeping back where it was (issue 17). Before
+    the fix each decode step re-noted its requests' prompt lengths, never to be dropped."""
+    s = llama_server
+    before = _tracked_after_probe(s, "hsdump-bookkeeping-probe-0", 900)
+    dumped = [f"hsdump-bookkeeping-{i}" for i in range(4)]
+    others = [f"plain-bookkeeping-{i}" for i in range(8)]
+
+    def run(rid: str) -> None:
+        i = int(rid.rsplit("-", 1)[1])
+        # Prompts arrive while earlier requests decode (their rows: MIXED-forward decode
+        # tails); the dumped ones decode on after the last prefill (plain decode steps).
+        time.sleep(0.1 * i + 0.05 * (rid in dumped))
+        n = 24 if rid in dumped else 4
+        body = {"rid": rid, "input_ids": prompt(500 + i + 50 * (rid in others), 20 + 7 * i),
+                "sampling_params": {"max_new_tokens": n, "temperature": 0,
+                                    "ignore_eos": True}}
+        r = requests.post(f"{s.url}/generate", json=body, timeout=300)
+        r.raise_for_status()
+        assert r.json()["meta_info"]["completion_tokens"] == n
+
+    with ThreadPoolExecutor(len(dumped) + len(others)) as pool:
+        list(pool.map(run, dumped + others))
+    for rid in dumped:
+        assert wait_finished(s.dump_dir, rid).done is not None, rid
+    after = _tracked_after_probe(s, "hsdump-bookkeeping-probe-1", 901)
+    # The writer may or may not have finished the probe when its forward wrote the status.
+    assert after.pop("writer_requests") <= before.pop("writer_requests") + 1
+    assert after == before, f"bookkeeping grew: {before} -> {after}"
+    assert not any(protocol.rid_dir(s.dump_dir, rid).exists() for rid in others)
 
 
 def _request_dirs(dump_dir) -> set[str]:

@@ -15,6 +15,11 @@ layer): forward N only waits, on the stream, for forward N-2's, long finished.
 Every rank writes a marker at install; the first dumped forward on each rank checks that all
 ranks of its node have one, and refuses to serve otherwise (SGLang only logs a plugin hook
 that fails to apply, which would leave that rank silently without capture).
+
+The writer rank keeps ``status.json`` in the dump dir: its counters and how many requests it
+keeps state for (per-request bookkeeping exists only for dumped prefill chunks, so those
+counts return to their level once the requests are dumped); refreshed after a dumped forward,
+at most every ``STATUS_INTERVAL_S``.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from hsdump_patch.capture.writer import Chunk, DumpWriter
 logger = logging.getLogger("hsdump")
 
 _MAX_TRACKED = 100_000
+STATUS_INTERVAL_S = 1.0  # the writer rank refreshes status.json at most this often
 
 
 class _Collector:
@@ -260,6 +266,8 @@ class CaptureSession:
         self.prompt_lens: OrderedDict[str, int] = OrderedDict()  # fed by ForwardBatch.init_new
         self.in_progress: OrderedDict[str, None] = OrderedDict()
         self.errors = 0
+        self.forwards_dumped = 0
+        self._status_at = 0.0  # time.monotonic() of the last status.json
         server_args = runner.server_args
         self.tp_size = int(getattr(server_args, "tp_size", 1) or 1)
         self.model_name = str(getattr(server_args, "served_model_name", None)
@@ -299,6 +307,7 @@ class CaptureSession:
                 pid=os.getpid(),
             )
             protocol.write_json_atomic(config.dump_dir / protocol.SERVER_INFO, info.to_json())
+            self.write_status()
         self._install()
         protocol.write_json_atomic(self.rank_marker, {"launcher": os.getppid(), "pid": os.getpid(),
                                                       "writer": self.is_writer})
@@ -447,6 +456,32 @@ class CaptureSession:
         finally:
             if self.buffers is not None:
                 self.buffers.handed_off()
+        self.forwards_dumped += 1
+        if time.monotonic() - self._status_at >= STATUS_INTERVAL_S:
+            try:
+                self.write_status()
+            except Exception:
+                self._count_error("writing status.json")
+
+    def status(self) -> dict[str, Any]:
+        """The writer rank's counters and the sizes of its per-request bookkeeping."""
+        assert self.writer is not None
+        return {
+            "pid": os.getpid(),
+            "updated": time.time(),
+            "forwards_dumped": self.forwards_dumped,
+            "capture_errors": self.errors,
+            "tracked": {"prompt_lens": len(self.prompt_lens),
+                        "in_progress": len(self.in_progress),
+                        "decode_tails": len(self.decode_tails),
+                        "writer_requests": self.writer.tracked_requests},
+            "writer": self.writer.stats.as_dict(),
+        }
+
+    def write_status(self) -> None:
+        """Write ``status.json`` (writer rank) now."""
+        self._status_at = time.monotonic()
+        protocol.write_json_atomic(self.config.dump_dir / protocol.STATUS, self.status())
 
     def _hand_off(self, state: _ForwardState, output: Any) -> None:
         t0 = time.perf_counter()

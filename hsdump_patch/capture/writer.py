@@ -313,6 +313,12 @@ class DumpWriter:
             self.stats.staging_bytes = self._pool_pages * self.page_bytes
 
     @property
+    def tracked_requests(self) -> int:
+        """Requests the writer keeps state for: in flight, and failed ones (LRU-bounded)."""
+        with self._cond:
+            return len(self._rids)
+
+    @property
     def inflight_bytes(self) -> int:
         """Staging bytes held by chunks not yet written (never above the cap but for one
         chunk larger than the cap, which goes through alone)."""

@@ -1,13 +1,16 @@
 """``hsdump verify``: the acceptance run for a host, before a long extraction.
 
-It generates a small random model of the production architecture (DeepSeek-V3 / Kimi-K2.5:
-MLA + MoE, :mod:`hsdump_patch.ops.verify_model`), serves it with the ``hsdump serve`` profile
-at each tensor-parallel size, once with the dump on and once off, and checks:
+It generates a small random model of the production architecture (a Kimi-K2.5 checkpoint:
+MLA + MoE with Kimi's attention and routing, :mod:`hsdump_patch.ops.verify_model`), serves it
+with the ``hsdump serve`` profile at each tensor-parallel size, once with the dump on and once
+off, and checks:
 
 a. the dump equals SGLang's own EAGLE-3 capture (``--enable-return-aux-hidden-states``,
-   ``return_hidden_states``) of the same forward, bit for bit: batches of at most the fused
-   all-reduce threshold (2,048 tokens on GPU) and larger ones, a multi-chunk prompt, many
-   requests in one forward;
+   ``return_hidden_states``) of the same forward, bit for bit, every chunk: hsdump's collector
+   against SGLang's packer fed the same tensor (the plumbing, not the numerics: that is b);
+   batches of at most the fused all-reduce threshold (2,048 tokens on GPU) and larger ones, a
+   multi-chunk prompt, many requests in one forward; whether the fused all-reduce + RMSNorm
+   ran is reported;
 b. the dump equals an independent float32 forward (HF transformers, same weights) within
    ``verify_checks.BF16_MAX_REL`` / ``BF16_MEAN_REL``;
 c. outputs (token ids and every logprob) are bitwise identical with the dump on and off, once
@@ -15,8 +18,9 @@ c. outputs (token ids and every logprob) are bitwise identical with the dump on 
 d. every rank installed the capture and exactly one writes;
 e. the configurations the patch must refuse are refused (SGLang's resolved config, and a real
    launch);
-f. the dump's overhead: prefill tokens/s on vs off, writer-rank vs other-rank peak GPU memory,
-   the writer rank's CPU time.
+f. the dump's overhead: the forward at Kimi-K2.5's shapes on vs off (``scripts/bench_forward.py``
+   on the GPU, 2% floor), prefill tokens/s on vs off, writer-rank vs other-rank peak GPU
+   memory, the writer rank's CPU time.
 
 Prints a verdict table, writes a JSON report, exits 1 on any FAIL. Without a GPU it runs the
 CPU variant (TP 1 and 2, proportionally smaller batches).
@@ -30,6 +34,7 @@ import os
 import random
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -111,12 +116,34 @@ class Settings:
     def production_extra(self) -> list[str]:
         """SGLang arguments of production (plus the CPU variant's), for the refusal checks."""
         cpu = [*CPU_SERVER_ARGS, "--chunked-prefill-size", str(CPU_CHUNK)]
-        return [*(cpu if self.device == "cpu" else []), *self.extra_args]
+        return text_only([*(cpu if self.device == "cpu" else []), *self.extra_args])
 
     @property
     def sglang_extra(self) -> list[str]:
         """What the verify servers run with: production plus SGLang's own aux capture."""
         return [*self.production_extra, *AUX_ARGS]
+
+
+OVERRIDE_FLAG = "--json-model-override-args"
+
+
+def text_only(args: list[str]) -> list[str]:
+    """``args`` with ``language_model_only`` added to SGLang's model config overrides (merged
+    into the caller's own ``--json-model-override-args``, if any): the Kimi-K2.5 checkpoint is
+    served text-only, as it has no image processor (SGLang 0.5.23's ``--language-model-only``
+    does not take Kimi-K2.5)."""
+    out, overrides = [], {}
+    it = iter(args)
+    for a in it:
+        if a == OVERRIDE_FLAG or a.startswith(OVERRIDE_FLAG + "="):
+            value = a.partition("=")[2] if "=" in a else next(it, "{}")
+            try:
+                overrides.update(json.loads(value))
+            except ValueError as e:
+                raise ValueError(f"{OVERRIDE_FLAG} {value!r} is not JSON: {e}") from None
+        else:
+            out.append(a)
+    return [*out, OVERRIDE_FLAG, json.dumps({**overrides, "language_model_only": True})]
 
 
 def prompt(seed: int, length: int) -> list[int]:
@@ -184,9 +211,47 @@ def _max_new_seqs(log_tail: str) -> int:
                default=0)
 
 
-def check_aux(server: VerifyServer, t: int, chunk: int, dumps: dict[str, Dumped]) -> Verdict:
-    """Check (a) on a dump-on server; every dumped prompt is kept in ``dumps`` for (b)."""
+def _builtin_rows(out: dict[str, Any]) -> torch.Tensor:
+    """SGLang's own capture of a request: its last prefill chunk's rows, ``[n, K * H]``."""
+    return torch.tensor(out["meta_info"]["hidden_states"][0])
+
+
+def _dumped_rows(d: Dumped, start: int, end: int, k: int) -> torch.Tensor:
+    """The dump's layer slots (no final state) of rows ``[start, end)``, as SGLang packs them."""
+    return d.hidden[start:end, :k].reshape(end - start, -1)
+
+
+def _compare_earlier_chunks(server: VerifyServer, rid: str, d: Dumped, k: int) -> list[str]:
+    """SGLang returns only a request's last chunk, so each earlier chunk ``[s, e)`` of a prompt
+    that had its forwards to itself is compared through the prompt cut at ``e``, re-sent
+    alone: its chunks are the same forwards, and its last one is ``[s, e)``."""
     assert server.dump_dir is not None
+    problems = []
+    starts = [*d.chunk_starts, len(d.ids)]
+    for j in range(len(d.chunk_starts) - 1):
+        s, e = starts[j], starts[j + 1]
+        cut_rid = f"{rid}-upto{e}"
+        out = _generate(server, [d.ids[:e]], [cut_rid], return_hidden_states=True)[0]
+        try:
+            cut = read_dumped(server.dump_dir, cut_rid, d.ids[:e])
+        except protocol.ProtocolError as err:
+            problems.append(str(err))
+            continue
+        if cut.chunk_starts != d.chunk_starts[: j + 1]:
+            problems.append(f"{cut_rid}: chunked at {cut.chunk_starts}, the whole prompt at "
+                            f"{d.chunk_starts}: not the same forwards")
+            continue
+        bad = verify_checks.bitwise_mismatch(_dumped_rows(d, s, e, k), _builtin_rows(out))
+        if bad:
+            problems.append(f"{rid} chunk [{s}, {e}): {bad}")
+    return problems
+
+
+def check_aux(server: VerifyServer, t: int, chunk: int, dumps: dict[str, Dumped]) -> Verdict:
+    """Check (a) on a dump-on server, every chunk of every prompt; every dumped prompt is
+    kept in ``dumps`` for (b)."""
+    assert server.dump_dir is not None
+    k = len(protocol.read_server_info(server.dump_dir).layers)
     rows, failures, seed = [], [], 1000 * server.tp
     for case, lengths in aux_cases(t, chunk).items():
         prompts = [prompt(seed + i, n) for i, n in enumerate(lengths)]
@@ -196,19 +261,25 @@ def check_aux(server: VerifyServer, t: int, chunk: int, dumps: dict[str, Dumped]
         outs = _generate(server, prompts, rids, return_hidden_states=True)
         new_seqs = _max_new_seqs(server.log()[log_before:])
         problems = []
+        compared = 0
         for rid, ids, out in zip(rids, prompts, outs, strict=True):
             try:
                 d = dumps[rid] = read_dumped(server.dump_dir, rid, ids)
             except protocol.ProtocolError as e:
                 problems.append(str(e))
                 continue
-            builtin = torch.tensor(out["meta_info"]["hidden_states"][0])  # last chunk's rows
-            last = d.chunk_starts[-1]
-            k = d.hidden.shape[1] - int(protocol.read_server_info(server.dump_dir).has_final)
-            ours = d.hidden[last:, :k].reshape(len(ids) - last, -1)
-            bad = verify_checks.bitwise_mismatch(ours, builtin)
+            bad = verify_checks.bitwise_mismatch(
+                _dumped_rows(d, d.chunk_starts[-1], len(ids), k), _builtin_rows(out))
             if bad:
-                problems.append(f"{rid}: {bad}")
+                problems.append(f"{rid} last chunk: {bad}")
+            compared += 1
+            if len(d.chunk_starts) > 1 and len(prompts) > 1:
+                problems.append(f"{rid}: split into {len(d.chunk_starts)} chunks in forwards "
+                                "shared with other requests: its earlier chunks cannot be "
+                                "compared (lower the batch's tokens)")
+            elif len(d.chunk_starts) > 1:
+                problems += _compare_earlier_chunks(server, rid, d, k)
+                compared += len(d.chunk_starts) - 1
         chunks = max((len(dumps[r].chunk_starts) for r in rids if r in dumps), default=0)
         if "multi-chunk" in case and chunks < 2:
             problems.append(f"the prompt was not split (1 chunk at --chunked-prefill-size "
@@ -216,11 +287,13 @@ def check_aux(server: VerifyServer, t: int, chunk: int, dumps: dict[str, Dumped]
         if len(lengths) > 1 and new_seqs < 2:
             problems.append("the requests never shared a forward (server log: at most "
                             f"{new_seqs} new request per prefill batch)")
-        rows.append({"case": case, "chunks": chunks, "max_requests_per_forward": new_seqs,
-                     "ok": not problems, "problems": problems})
+        rows.append({"case": case, "chunks": chunks, "chunks_compared": compared,
+                     "max_requests_per_forward": new_seqs, "ok": not problems,
+                     "problems": problems})
         failures += [f"{case}: {p}" for p in problems]
     total = sum(len(v) for v in aux_cases(t, chunk).values())
-    detail = (f"{total} prompts in {len(rows)} cases equal SGLang's capture bit for bit"
+    detail = (f"{total} prompts in {len(rows)} cases, every chunk ("
+              f"{sum(r['chunks_compared'] for r in rows)}), equal SGLang's capture bit for bit"
               if not failures else "; ".join(failures[:3]))
     return Verdict("a", f"tp {server.tp}", FAIL if failures else PASS, detail, {"cases": rows})
 
@@ -334,6 +407,43 @@ class TpRun:
     capture_buffer: dict[str, int] | None = None
 
 
+# SGLang 0.5.23 keeps no count of fused calls; its log says whether the fusion was switched on
+# (arg_groups/overrides.py), whether each rank's workspace was made (flashinfer_comm_fusion.py;
+# with it, layers/layer_boundary/residual/add_norm.py fuses every batch of at most 2,048
+# tokens), and why it was turned off.
+_FUSION_ON = re.compile(r"Auto-enabling FlashInfer AllReduce Fusion \((\w+)\)")
+_FUSION_READY = re.compile(r"FlashInfer AllReduce Fusion enabled and workspace initialized: "
+                           r"backend=(\S+), rank=(\d+), world_size=\d+, max_token_num=(\d+)")
+_FUSION_OFF = ("Disabling flashinfer allreduce fusion permanently",
+               "FlashInfer AllReduce fusion disabled", "Skipping allreduce fusion",
+               "unified allreduce_fusion API is not available",
+               "FlashInfer comm not available", "allreduce fusion is forcibly disabled")
+
+
+def fused_allreduce(log: str, device: str, tp: int) -> dict[str, Any]:
+    """Whether flashinfer's fused all-reduce + residual + RMSNorm ran on a server, from what
+    SGLang logs: ``ran`` is True, False or None (not applicable), ``why`` says how it is known."""
+    if device != "cuda":
+        return {"ran": None, "why": "not applicable: no GPU"}
+    if tp < 2:
+        return {"ran": None, "why": "not applicable: TP 1 has no all-reduce"}
+    off = [m for m in _FUSION_OFF if m in log]
+    ready = {int(r): (b, int(n)) for b, r, n in _FUSION_READY.findall(log)}
+    on = _FUSION_ON.search(log)
+    if off:
+        return {"ran": False, "why": f"turned off: SGLang logged {off[0]!r}"}
+    if len(ready) == tp:
+        backend, tokens = ready[0] if 0 in ready else next(iter(ready.values()))
+        return {"ran": True, "backend": backend, "max_tokens": tokens,
+                "why": f"workspace made on all {tp} ranks (backend {backend}): batches of at "
+                       f"most {tokens} tokens took the fused path"}
+    if on is None:
+        return {"ran": False, "why": "not switched on for this GPU / configuration (no "
+                                     "'Auto-enabling FlashInfer AllReduce Fusion' line)"}
+    return {"ran": False, "why": f"switched on ({on.group(1)}) but the workspace was made on "
+                                 f"{len(ready)} of {tp} ranks"}
+
+
 def capture_buffer(log: str) -> dict[str, int] | None:
     """The writer's device buffers as the capture logs them (the last, largest ones): one
     buffer's shape and size, how many are used in turn, and their total."""
@@ -361,7 +471,11 @@ def run_tp(settings: Settings, model: Path, tp: int, dumps: dict[str, Dumped]) -
             if dump:
                 chunk = int(server.server_info().get("chunked_prefill_size") or 0)
                 chunk = chunk if chunk > 0 else 4 * settings.fusion_tokens
-                res.verdicts.append(check_aux(server, settings.fusion_tokens, chunk, dumps))
+                aux = check_aux(server, settings.fusion_tokens, chunk, dumps)
+                fused = fused_allreduce(server.log(), settings.device, tp)
+                aux.data["fused_allreduce_rmsnorm"] = fused
+                aux.detail += f"; fused all-reduce + RMSNorm: {fused['why']}"
+                res.verdicts.append(aux)
                 info = protocol.read_server_info(server.dump_dir)
                 slots = len(info.layers) + int(info.has_final)
                 res.dump_bytes_per_token = slots * info.hidden_size * torch.tensor(
@@ -452,6 +566,43 @@ def check_overhead(res: TpRun, settings: Settings) -> Verdict:
               f"{writer_cpu:+.2f} s for {gb:.3f} GB dumped")
     return Verdict("f", f"tp {res.tp}", FAIL if problems else PASS,
                    "; ".join([*problems, detail]) if problems else detail, data)
+
+
+# The forward benchmark of a checkout (not in the image): the real capture ordering and writer
+# at Kimi-K2.5's shapes (hidden 7168, 61 layers, chunks of 2k / 8k / 16k tokens).
+BENCH_FORWARD = Path(__file__).resolve().parents[2] / "scripts" / "bench_forward.py"
+FORWARD_MAX_RATIO = 1.02  # the floor: a 2% slower forward with the dump on fails
+
+
+def check_forward_overhead(settings: Settings) -> Verdict:
+    """Check (f) at Kimi-K2.5's shapes: ``scripts/bench_forward.py`` on this host's GPU (dump
+    on vs off through the real capture ordering and writer, medians of ABBA samples); the
+    served model's throughput cannot show 2%."""
+    scope = "forward at Kimi-K2.5 shapes"
+    if settings.device != "cuda":
+        return Verdict("f", scope, SKIP, "skipped: no GPU (the forward benchmark measures "
+                       "device-to-host copies against a GPU forward)")
+    if not BENCH_FORWARD.is_file():
+        return Verdict("f", scope, SKIP, f"skipped: {BENCH_FORWARD} is not in this install "
+                       "(the image has no scripts/): run it from a checkout")
+    out = settings.work / "bench_forward.json"
+    say(settings, "running scripts/bench_forward.py at Kimi-K2.5 shapes")
+    r = subprocess.run([sys.executable, str(BENCH_FORWARD), "--device", "cuda",
+                        "--us-per-token", "5,20", "--json", str(out)], capture_output=True,
+                       text=True, timeout=3600, check=False,
+                       env={**os.environ, "PYTHONPATH": str(BENCH_FORWARD.parents[1])})
+    try:
+        result = json.loads(out.read_text())
+    except (OSError, ValueError):
+        return Verdict("f", scope, FAIL, f"bench_forward exited {r.returncode} without a "
+                       f"result: {(r.stdout + r.stderr)[-500:]!r}")
+    worst = max(result["rows"], key=lambda row: row["on_vs_off"])
+    data = {"rows": result["rows"], "errors": result["errors"], "max_ratio": FORWARD_MAX_RATIO}
+    detail = (f"worst forward on/off {worst['on_vs_off']:.3f} at {worst['tokens']} tokens, "
+              f"{worst['us_per_token_off']:.1f} us/token (floor {FORWARD_MAX_RATIO}); "
+              f"{result['verified_values']:,} dumped values checked")
+    bad = worst["on_vs_off"] > FORWARD_MAX_RATIO or result["errors"] or r.returncode
+    return Verdict("f", scope, FAIL if bad else PASS, detail, data)
 
 
 def check_reference(settings: Settings, model: Path, dumps: dict[str, Dumped]) -> Verdict:
@@ -556,14 +707,17 @@ def run(settings: Settings) -> tuple[list[Verdict], dict[str, Any]]:
     """Every check; returns the verdicts and facts about the run."""
     settings.work.mkdir(parents=True, exist_ok=True)
     model = settings.work / "model"
-    say(settings, f"writing a random DeepSeek-V3-shaped model ({settings.device} shape) to "
-        f"{model}")
+    shape = "kimi-gpu" if settings.device == "cuda" else "kimi-cpu"
+    say(settings, f"writing a random Kimi-K2.5-shaped model ({shape}) to {model}")
     shutil.rmtree(model, ignore_errors=True)
-    verify_model.make_deepseek_v3(model, "gpu" if settings.device == "cuda" else "cpu")
+    verify_model.make_kimi_k25(model, shape)
     verdicts: list[Verdict] = []
     dumps: dict[str, Dumped] = {}
     facts: dict[str, Any] = {"device": settings.device, "tp": settings.tps,
                              "fusion_threshold_tokens": settings.fusion_tokens,
+                             "model": {"shape": shape,
+                                       "architecture": "KimiK25ForConditionalGeneration",
+                                       **verify_model.KIMI_SHAPES[shape]},
                              "server_start_s": {}}
     for tp in settings.tps:
         try:
@@ -575,6 +729,7 @@ def run(settings: Settings) -> tuple[list[Verdict], dict[str, Any]]:
         verdicts += res.verdicts
         facts["server_start_s"].update(res.start_s)
         verdicts += [check_outputs(res), check_overhead(res, settings)]
+    verdicts += _guarded("f", lambda: [check_forward_overhead(settings)])
     say(settings, "checking the refused configurations")
     verdicts += _guarded("e", lambda: check_refusals(settings, model))
     say(settings, f"computing the fp32 reference for {len(dumps)} dumped prompts")

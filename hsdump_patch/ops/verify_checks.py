@@ -61,11 +61,11 @@ def bitwise_mismatch(actual: torch.Tensor, expected: torch.Tensor) -> str | None
 
 
 def load_hf_model(model: Path, dtype: torch.dtype, device: str) -> Any:
-    """HF transformers' own implementation of ``model``, in eval mode."""
-    from transformers import AutoModelForCausalLM
+    """HF transformers' own implementation of ``model`` (a Kimi-K2.5 checkpoint: its
+    language model), in eval mode."""
+    from hsdump_patch.ops.verify_model import load_text_model
 
-    m = AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype)
-    return m.to(device).eval()
+    return load_text_model(model, dtype).to(device).eval()
 
 
 def hf_hidden_states(hf_model: Any, input_ids: list[int], chunk: int = 0) -> list[torch.Tensor]:
