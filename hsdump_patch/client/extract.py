@@ -11,7 +11,6 @@ hidden-state bytes in the dump dir.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures as cf
 import copy
 import errno
 import json
@@ -25,10 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import requests
-from tqdm import tqdm
 
 from hsdump_patch import protocol
-from hsdump_patch.client import assemble, buffers, records
+from hsdump_patch.client import assemble, buffers, records, runner
 from hsdump_patch.client.conversation import (
     POLICIES,
     ChatRenderer,
@@ -45,7 +43,7 @@ from hsdump_patch.client.dataset import (
 )
 from hsdump_patch.client.manifest import Manifest, load_done, remove_stale_temps
 from hsdump_patch.client.mask import LOSS_MASKS, apply_convention
-from hsdump_patch.client.report import ErrorPolicy, Report, print_summary
+from hsdump_patch.client.report import Report, RunReport, print_summary
 from hsdump_patch.client.served import ServedPrompts, ServerDown, follow_chat_template
 from hsdump_patch.protocol import (
     DEFAULT_DUMP_DIR,
@@ -376,85 +374,7 @@ class Extraction:
     def run(self, items: Iterable[Sample | SampleError], total: int, manifest: Manifest,
             report: Report) -> Report:
         """Process ``items`` (samples or the errors of bad rows); fill and return ``report``."""
-        s = self.s
-        t0 = time.monotonic()
-        pending: dict[cf.Future[Done], Sample] = {}
-        inflight = 0
-        bar = tqdm(total=total, unit="sample", disable=not s.progress, dynamic_ncols=True,
-                   file=sys.stderr)
-        policy = ErrorPolicy(report, s.on_error, s.max_consecutive_errors, "samples", bar)
-        issue = policy.issue
-
-        def est(sample: Sample) -> int:
-            return len(sample.input_ids) * self.info.bytes_per_token
-
-        def collect(block: bool) -> None:
-            nonlocal inflight
-            if not pending:
-                return
-            done, _ = cf.wait(pending, timeout=None if block else 0,
-                              return_when=cf.FIRST_COMPLETED)
-            for fut in done:
-                sample = pending.pop(fut)
-                inflight -= est(sample)
-                try:
-                    res = fut.result()
-                except SampleFailed as e:
-                    issue("failed", sample.id, sample.where, str(e))
-                    continue
-                except ServerDown as e:
-                    report.stop(str(e))
-                    issue("failed", sample.id, sample.where, str(e))
-                    continue
-                except OSError as e:
-                    if e.errno in _FATAL_ERRNOS:  # a full or read-only disk: stop
-                        report.stop(f"{sample.where}: {e}")
-                    issue("failed", sample.id, sample.where, f"{type(e).__name__}: {e}")
-                    continue
-                except Exception as e:  # anything else is local to this sample: list it
-                    issue("failed", sample.id, sample.where, f"{type(e).__name__}: {e}")
-                    continue
-                policy.ok()
-                manifest.append({"id": sample.id, "file": res.file,
-                                 "tokens": len(sample.input_ids), "trained": res.trained,
-                                 "bytes": res.size, "digest": sample.digest})
-                report.add_ok(len(sample.input_ids), res.size, res.chunks, res.trained,
-                              sample.id)
-                bar.update(1)
-                elapsed = max(time.monotonic() - t0, 1e-9)
-                bar.set_postfix_str(f"{report.tokens / elapsed:,.0f} tok/s, "
-                                    f"{report.bytes / 1e9:.2f} GB", refresh=False)
-
-        def has_room(need: int) -> bool:
-            if not pending:
-                return True
-            if len(pending) >= s.concurrency or inflight + need > s.max_inflight_bytes:
-                return False
-            return assemble.dump_free_bytes(s.dump_dir) - need >= s.min_free_bytes
-
-        with cf.ThreadPoolExecutor(s.concurrency, thread_name_prefix="hsdump") as pool:
-            try:
-                for item in items:
-                    if report.stopped:
-                        break
-                    if isinstance(item, SampleError):
-                        issue("skipped", item.sample_id, item.where, item.problem)
-                        continue
-                    need = est(item)
-                    while not has_room(need):
-                        collect(block=True)
-                    if not pending:
-                        self._wait_for_space(need, report)
-                        if report.stopped:
-                            break
-                    pending[pool.submit(self.process, item)] = item
-                    inflight += need
-                    collect(block=False)
-                while pending:
-                    collect(block=True)
-            finally:
-                bar.close()
-        report.wall_s = time.monotonic() - t0
+        runner.run(items, total, _ExtractJob(self, manifest, report), report, self.s)
         return report
 
     def _wait_for_space(self, need: int, report: Report) -> None:
@@ -486,6 +406,53 @@ class Extraction:
             else:
                 unfinished += 1
         return unfinished
+
+
+class _ExtractJob(runner.Job[Sample, Done]):
+    """An extraction's hooks in the bounded runner: hidden-state bytes in flight and free
+    space in the dump dir bound it; each record goes to the manifest."""
+
+    unit = "sample"
+
+    def __init__(self, extraction: Extraction, manifest: Manifest, report: Report) -> None:
+        self.extraction, self.manifest, self.report = extraction, manifest, report
+
+    def process(self, item: Sample) -> Done:
+        return self.extraction.process(item)
+
+    def key(self, item: Sample) -> tuple[str | None, str | None]:
+        return item.id, item.where
+
+    def failure(self, item: Sample, error: Exception, report: RunReport) -> str:
+        if isinstance(error, SampleFailed):
+            return str(error)
+        if isinstance(error, ServerDown):
+            report.stop(str(error))
+            return str(error)
+        if isinstance(error, OSError) and error.errno in _FATAL_ERRNOS:
+            report.stop(f"{item.where}: {error}")  # a full or read-only disk: stop
+        return f"{type(error).__name__}: {error}"  # anything else is local to this sample
+
+    def finished(self, item: Sample, result: Done) -> str:
+        self.manifest.append({"id": item.id, "file": result.file,
+                              "tokens": len(item.input_ids), "trained": result.trained,
+                              "bytes": result.size, "digest": item.digest})
+        self.report.add_ok(len(item.input_ids), result.size, result.chunks, result.trained,
+                           item.id)
+        return f"{self.report.bytes / 1e9:.2f} GB"
+
+    def cost(self, item: Sample) -> int:
+        return len(item.input_ids) * self.extraction.info.bytes_per_token
+
+    def has_room(self, need: int, inflight: int) -> bool:
+        s = self.extraction.s
+        if inflight + need > s.max_inflight_bytes:
+            return False
+        return assemble.dump_free_bytes(s.dump_dir) - need >= s.min_free_bytes
+
+    def wait_for_room(self, need: int, report: RunReport) -> bool:
+        self.extraction._wait_for_space(need, self.report)
+        return not report.stopped
 
 
 # ------------------------------------------------------------------------------ set-up

@@ -15,10 +15,8 @@ Output rows are written exactly once (``rowlog``), in dataset order at the end o
 from __future__ import annotations
 
 import argparse
-import concurrent.futures as cf
 import hashlib
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -26,16 +24,15 @@ from pathlib import Path
 from typing import Any
 
 import requests
-from tqdm import tqdm
 
 from hsdump_patch import protocol
 from hsdump_patch.client import extract as ex
+from hsdump_patch.client import runner
 from hsdump_patch.client.conversation import ConversationError, ThinkMarkers, decode
 from hsdump_patch.client.dataset import SampleError, Shard, _parse_line, index_dataset
 from hsdump_patch.client.regen_plan import AGENT_POLICIES, DEFAULT_AGENT_POLICY, Plan, plan_row
 from hsdump_patch.client.report import (
     EXIT_STOPPED,
-    ErrorPolicy,
     RunReport,
     format_table,
     print_issues,
@@ -395,8 +392,10 @@ def print_summary(report: RegenReport, report_path: Path) -> None:
 # ------------------------------------------------------------------------------ the run
 
 
-def _planned(dataset: Path, refs: list[Any], policy: str
-             ) -> Iterator[tuple[str, str, dict[str, Any], Plan] | SampleError]:
+Item = tuple[str, str, dict[str, Any], Plan]  # (id, file:line, row, plan)
+
+
+def _planned(dataset: Path, refs: list[Any], policy: str) -> Iterator[Item | SampleError]:
     """Each row as ``(id, file:line, object, plan)``, or the SampleError saying why it is
     unfit."""
     with open(dataset, "rb") as f:
@@ -411,55 +410,39 @@ def _planned(dataset: Path, refs: list[Any], policy: str
                 yield e
 
 
-def run(s: Settings, regen: Regenerator, items: Iterator[Any], total: int, log: RowLog,
-        report: RegenReport) -> None:
+class _RegenJob(runner.Job[Item, RowResult]):
+    """A regeneration's hooks in the bounded runner: each finished row goes to the row log."""
+
+    unit = "row"
+    thread_prefix = "hsdump-regen"
+
+    def __init__(self, regen: Regenerator, log: RowLog, report: RegenReport) -> None:
+        self.regen, self.log, self.report = regen, log, report
+
+    def key(self, item: Item) -> tuple[str | None, str | None]:
+        return item[0], item[1]
+
+    def process(self, item: Item) -> RowResult:
+        row_id, _, obj, plan = item
+        return self.regen.process(row_id, obj, plan)
+
+    def failure(self, item: Item, error: Exception, report: RunReport) -> str:
+        if not isinstance(error, RowFailed):  # server down, local fault: stop, do not spin
+            where = item[1]
+            report.stop(f"{where}: {error}" if isinstance(error, ex.ServerDown)
+                        else f"{where}: {type(error).__name__}: {error}")
+            return f"{type(error).__name__}: {error}"
+        return str(error)
+
+    def finished(self, item: Item, result: RowResult) -> None:
+        self.log.append(result.row)
+        self.report.add_ok(item[0], result)
+
+
+def run(s: Settings, regen: Regenerator, items: Iterator[Item | SampleError], total: int,
+        log: RowLog, report: RegenReport) -> None:
     """Regenerate ``items`` with bounded concurrency, appending finished rows to ``log``."""
-    t0 = time.monotonic()
-    pending: dict[cf.Future[RowResult], tuple[str, str]] = {}
-    bar = tqdm(total=total, unit="row", disable=not s.progress, dynamic_ncols=True,
-               file=sys.stderr)
-    policy = ErrorPolicy(report, s.on_error, s.max_consecutive_errors, "rows", bar)
-    issue = policy.issue
-
-    def collect(block: bool) -> None:
-        done, _ = cf.wait(pending, timeout=None if block else 0, return_when=cf.FIRST_COMPLETED)
-        for fut in done:
-            row_id, where = pending.pop(fut)
-            try:
-                res = fut.result()
-            except RowFailed as e:
-                issue("failed", row_id, where, str(e))
-                continue
-            except Exception as e:  # server down, local fault: stop, do not spin
-                report.stop(f"{where}: {e}" if isinstance(e, ex.ServerDown)
-                            else f"{where}: {type(e).__name__}: {e}")
-                issue("failed", row_id, where, f"{type(e).__name__}: {e}")
-                continue
-            policy.ok()
-            log.append(res.row)
-            report.add_ok(row_id, res)
-            bar.update(1)
-            bar.set_postfix_str(f"{report.tokens / max(time.monotonic() - t0, 1e-9):,.0f} tok/s",
-                                refresh=False)
-
-    with cf.ThreadPoolExecutor(s.concurrency, thread_name_prefix="hsdump-regen") as pool:
-        try:
-            for item in items:
-                if report.stopped:
-                    break
-                if isinstance(item, SampleError):
-                    issue("skipped", item.sample_id, item.where, item.problem)
-                    continue
-                while len(pending) >= s.concurrency:
-                    collect(block=True)
-                row_id, where, obj, plan = item
-                pending[pool.submit(regen.process, row_id, obj, plan)] = (row_id, where)
-                collect(block=False)
-            while pending:
-                collect(block=True)
-        finally:
-            bar.close()
-    report.wall_s = time.monotonic() - t0
+    runner.run(items, total, _RegenJob(regen, log, report), report, s)
 
 
 def regenerate(args: argparse.Namespace) -> RegenReport:
