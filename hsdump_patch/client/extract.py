@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import copy
 import errno
-import json
 import os
 import sys
 import threading
@@ -26,7 +25,7 @@ from typing import Any
 import requests
 
 from hsdump_patch import protocol
-from hsdump_patch.client import assemble, buffers, records, runner
+from hsdump_patch.client import assemble, buffers, options, records, runner
 from hsdump_patch.client.conversation import (
     POLICIES,
     ChatRenderer,
@@ -43,6 +42,7 @@ from hsdump_patch.client.dataset import (
 )
 from hsdump_patch.client.manifest import Manifest, load_done, remove_stale_temps
 from hsdump_patch.client.mask import LOSS_MASKS, apply_convention
+from hsdump_patch.client.options import MAX_BACKOFF, RunSettings
 from hsdump_patch.client.report import Report, RunReport, print_summary
 from hsdump_patch.client.served import ServedPrompts, ServerDown, follow_chat_template
 from hsdump_patch.protocol import (
@@ -53,17 +53,11 @@ from hsdump_patch.protocol import (
     parse_size,
 )
 
-DEFAULT_SERVER = "http://127.0.0.1:30000"
 DEFAULT_CONCURRENCY = 16
-DEFAULT_REQUEST_TIMEOUT = 3600.0
 DEFAULT_DUMP_TIMEOUT = 300.0
-DEFAULT_RETRIES = 6
-DEFAULT_RETRY_WAIT = 1.0
 DEFAULT_MAX_INFLIGHT = "8GiB"
 DEFAULT_MIN_FREE = "2GiB"
-DEFAULT_MAX_CONSECUTIVE_ERRORS = 20
 PROMPT_CHECKS = ("server", "off")
-_MAX_BACKOFF = 30.0
 STALE_QUIET_S = 5.0
 
 
@@ -75,24 +69,16 @@ class _DuplicateRid(RuntimeError):
     """The server still runs a request with this rid (from a killed earlier run)."""
 
 
-@dataclass
-class Settings:
+@dataclass(kw_only=True)
+class Settings(RunSettings):
     """Everything an extraction run needs besides the samples."""
 
-    server: str
     dump_dir: Path
-    out: Path
     fmt: str = "eagle3"
     concurrency: int = DEFAULT_CONCURRENCY
-    on_error: str = "fail"
-    request_timeout: float = DEFAULT_REQUEST_TIMEOUT
     dump_timeout: float = DEFAULT_DUMP_TIMEOUT
-    retries: int = DEFAULT_RETRIES
-    retry_wait: float = DEFAULT_RETRY_WAIT
     max_inflight_bytes: int = parse_size(DEFAULT_MAX_INFLIGHT, "")
     min_free_bytes: int = parse_size(DEFAULT_MIN_FREE, "")
-    max_consecutive_errors: int = DEFAULT_MAX_CONSECUTIVE_ERRORS
-    progress: bool = True
     compress: bool = False
     allow_no_final: bool = False
     loss_mask: str = "completion"  # a convention of hsdump_patch.client.mask
@@ -130,7 +116,7 @@ class ServerClient:
             except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError) as e:
                 last = e
             if attempt < self.retries:
-                time.sleep(min(self.retry_wait * 2**attempt, _MAX_BACKOFF))
+                time.sleep(min(self.retry_wait * 2**attempt, MAX_BACKOFF))
         raise ServerDown(
             f"the server at {self.url} is unreachable: {self.retries + 1} attempts over "
             f"{time.monotonic() - t0:.1f}s failed (last: {type(last).__name__}: {last}); check "
@@ -577,16 +563,12 @@ def _check_done(dataset: Path, refs: list[RowRef], done: dict[str, dict[str, Any
 
 
 def add_common_args(p: argparse.ArgumentParser) -> None:
-    """Connection, output and robustness flags shared by ``extract`` and ``smoke``."""
-    p.add_argument("--server", default=DEFAULT_SERVER,
-                   help=f"SGLang server URL (default {DEFAULT_SERVER})")
+    """The server, dump and record flags shared by ``extract`` and ``smoke``."""
+    options.add_server_flags(p, model_for="the tokenizer and chat template")
     p.add_argument("--dump-dir", type=Path,
                    default=Path(os.environ.get(ENV_DIR) or DEFAULT_DUMP_DIR),
                    help=f"the server's dump dir, visible on this machine (default ${ENV_DIR} or "
                         f"{DEFAULT_DUMP_DIR})")
-    p.add_argument("--model", default=None,
-                   help="model dir or hub id for the tokenizer and chat template (default: the "
-                        "server's tokenizer path from /model_info)")
     p.add_argument("--format", dest="fmt", choices=records.FORMATS, default="eagle3",
                    help="record format: eagle3 (<id>.pt) or specforge (what SpecForge's offline "
                         "training reads: rows_*/<id>.ckpt) (default eagle3)")
@@ -602,21 +584,9 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rid-prefix", default=None,
                    help="expected rid prefix (default: the one in server.json, normally "
                         f"{DEFAULT_RID_PREFIX!r})")
-    p.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT,
-                   help="seconds to wait for one /generate answer (default "
-                        f"{DEFAULT_REQUEST_TIMEOUT:g})")
     p.add_argument("--dump-timeout", type=float, default=DEFAULT_DUMP_TIMEOUT,
                    help="seconds to wait for a request's done/error marker after its answer "
                         f"(default {DEFAULT_DUMP_TIMEOUT:g})")
-    p.add_argument("--retries", type=int, default=DEFAULT_RETRIES,
-                   help=f"retries on connection errors, with exponential backoff (default "
-                        f"{DEFAULT_RETRIES})")
-    p.add_argument("--retry-wait", type=float, default=DEFAULT_RETRY_WAIT,
-                   help=f"first backoff in seconds, doubled per retry up to {_MAX_BACKOFF:g} "
-                        f"(default {DEFAULT_RETRY_WAIT:g})")
-    p.add_argument("--trust-remote-code", action="store_true",
-                   help="allow the tokenizer's custom code, as Kimi-K2/K2.5's needs (default: "
-                        "off, unless the server itself runs with --trust-remote-code)")
     p.add_argument("--multi-turn", choices=POLICIES, default="auto",
                    help="samples of a multi-turn chat row: auto (one sample with every "
                         "assistant turn trained when each turn's serving prompt extends the "
@@ -626,7 +596,6 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                    help="SGLang reasoning parser whose think markers wrap reasoning_content, "
                         "e.g. kimi_k2 (default: the server's --reasoning-parser, else <think> / "
                         "</think> when both are tokens)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar (default: shown)")
 
 
 def add_parser(subparsers: Any) -> None:
@@ -639,23 +608,13 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--out", type=Path, required=True,
                    help="output directory for records, manifest and report (required)")
     add_common_args(p)
-    p.add_argument("--on-error", choices=("skip", "fail"), default="fail",
-                   help="on a bad row or failed sample: list it and go on (skip) or stop the "
-                        "run (fail) (default fail)")
-    p.add_argument("--shard", type=Shard.parse, default=Shard(),
-                   help="i/N: process only shard i of N (hash of the id; default 0/1)")
-    p.add_argument("--concurrency", type=int, default=DEFAULT_CONCURRENCY,
-                   help=f"requests in flight (default {DEFAULT_CONCURRENCY})")
+    options.add_run_flags(p, noun="sample", concurrency=DEFAULT_CONCURRENCY,
+                          report="OUT/report.shard-I-of-N.json")
     p.add_argument("--max-inflight-bytes", default=DEFAULT_MAX_INFLIGHT,
                    help="cap on the estimated hidden-state bytes of requests in flight "
                         f"(default {DEFAULT_MAX_INFLIGHT})")
     p.add_argument("--min-free-bytes", default=DEFAULT_MIN_FREE,
                    help=f"free space kept in the dump dir (default {DEFAULT_MIN_FREE})")
-    p.add_argument("--max-consecutive-errors", type=int, default=DEFAULT_MAX_CONSECUTIVE_ERRORS,
-                   help="stop after this many failed samples in a row, even with --on-error "
-                        f"skip (default {DEFAULT_MAX_CONSECUTIVE_ERRORS})")
-    p.add_argument("--report", type=Path, default=None,
-                   help="JSON report path (default OUT/report.shard-I-of-N.json)")
     p.add_argument("--loss-mask", choices=LOSS_MASKS, default="completion",
                    help="completion: 1 on each turn's emitted tokens; drafted: 1 where, under "
                         "SpecForge's one-token shift, the drafter's input and target tokens "
@@ -666,31 +625,15 @@ def add_parser(subparsers: Any) -> None:
                         "serves for that turn's chat request (its /v1/tokenize), a row that "
                         "differs is skipped with the reason; off: trust local rendering "
                         "(default server)")
-    p.add_argument("--chat-template-kwargs", type=template_kwargs, default=None,
-                   help='JSON object passed to every chat-template rendering, as a request\'s '
-                        'chat_template_kwargs (e.g. \'{"thinking": false}\' for Kimi-K2.5 '
-                        "instant mode); recorded in hsdump-meta.json (default: none)")
+    options.add_template_kwargs_flag(p, recorded_in=records.META_FILE)
     p.set_defaults(func=main)
-
-
-def template_kwargs(text: str) -> dict[str, Any]:
-    """``--chat-template-kwargs``: a JSON object."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError('must be a JSON object, e.g. \'{"thinking": false}\'')
-    return value
 
 
 def settings_from_args(args: argparse.Namespace, out: Path, **overrides: Any) -> Settings:
     """Build Settings from parsed flags (``overrides`` win)."""
     values: dict[str, Any] = {
-        "server": args.server, "dump_dir": args.dump_dir, "out": out, "fmt": args.fmt,
-        "request_timeout": args.request_timeout, "dump_timeout": args.dump_timeout,
-        "retries": args.retries, "retry_wait": args.retry_wait,
-        "progress": not args.no_progress, "compress": args.compress,
+        **options.server_settings(args), "dump_dir": args.dump_dir, "out": out,
+        "fmt": args.fmt, "dump_timeout": args.dump_timeout, "compress": args.compress,
         "allow_no_final": args.allow_no_final,
     }
     values.update(overrides)
@@ -701,10 +644,10 @@ def main(args: argparse.Namespace) -> int:
     """Run ``hsdump extract``; exit 0 all ok, 3 finished with skipped/failed samples, 1 stopped."""
     try:
         settings = settings_from_args(
-            args, args.out, on_error=args.on_error, concurrency=args.concurrency,
+            args, args.out, **options.run_settings(args),
             max_inflight_bytes=parse_size(args.max_inflight_bytes, "--max-inflight-bytes"),
             min_free_bytes=parse_size(args.min_free_bytes, "--min-free-bytes"),
-            max_consecutive_errors=args.max_consecutive_errors, loss_mask=args.loss_mask)
+            loss_mask=args.loss_mask)
         report = extract(settings, args.dataset, shard=args.shard, model=args.model,
                          max_len=args.max_len, rid_prefix=args.rid_prefix,
                          trust_remote_code=args.trust_remote_code, multi_turn=args.multi_turn,

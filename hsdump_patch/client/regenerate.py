@@ -27,9 +27,10 @@ import requests
 
 from hsdump_patch import protocol
 from hsdump_patch.client import extract as ex
-from hsdump_patch.client import runner
+from hsdump_patch.client import options, runner
 from hsdump_patch.client.conversation import ConversationError, ThinkMarkers, decode
 from hsdump_patch.client.dataset import SampleError, Shard, _parse_line, index_dataset
+from hsdump_patch.client.options import RunSettings
 from hsdump_patch.client.regen_plan import AGENT_POLICIES, DEFAULT_AGENT_POLICY, Plan, plan_row
 from hsdump_patch.client.report import (
     EXIT_STOPPED,
@@ -139,12 +140,10 @@ class RegenClient(ex.ServerClient):
 # ------------------------------------------------------------------------------ one row
 
 
-@dataclass
-class Settings:
+@dataclass(kw_only=True)
+class Settings(RunSettings):
     """Everything a regeneration run needs besides the rows."""
 
-    server: str
-    out: Path
     sampling: dict[str, Any]
     sampling_source: dict[str, str] = field(default_factory=dict)
     chat_template_kwargs: dict[str, Any] | None = None
@@ -152,12 +151,6 @@ class Settings:
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     concurrency: int = DEFAULT_CONCURRENCY
     agent_policy: str = DEFAULT_AGENT_POLICY
-    on_error: str = "fail"
-    request_timeout: float = ex.DEFAULT_REQUEST_TIMEOUT
-    retries: int = ex.DEFAULT_RETRIES
-    retry_wait: float = ex.DEFAULT_RETRY_WAIT
-    max_consecutive_errors: int = ex.DEFAULT_MAX_CONSECUTIVE_ERRORS
-    progress: bool = True
 
 
 @dataclass
@@ -504,16 +497,14 @@ def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "regenerate", help="let the served model write the answers of a chat dataset",
         description=__doc__.splitlines()[0])
-    p.add_argument("--server", default=ex.DEFAULT_SERVER,
-                   help=f"SGLang server URL (default {ex.DEFAULT_SERVER})")
     p.add_argument("--dataset", type=Path, required=True,
                    help="JSONL of messages / conversations rows (required)")
     p.add_argument("--out", type=Path, required=True,
                    help="output JSONL, messages rows with token_ids on every regenerated "
                         "assistant turn (required; one per shard)")
-    p.add_argument("--model", default=None,
-                   help="model dir or hub id for the tokenizer, chat template and "
-                        "generation_config (default: the server's tokenizer path)")
+    options.add_server_flags(p, model_for="the tokenizer, chat template and generation_config")
+    options.add_run_flags(p, noun="row", concurrency=DEFAULT_CONCURRENCY,
+                          report="OUT with the suffix .report.json")
     g = p.add_argument_group(
         "sampling (default: what the served chat API uses: the model's generation_config.json "
         "under the server's --sampling-defaults model, else SGLang's defaults; printed and "
@@ -530,10 +521,7 @@ def add_parser(subparsers: Any) -> None:
     g.add_argument("--seed", dest="sampling_seed", type=int, default=None,
                    help="sampling seed sent with each request; SGLang uses it only when the "
                         "server runs with --enable-deterministic-inference (default: none)")
-    p.add_argument("--chat-template-kwargs", type=ex.template_kwargs, default=None,
-                   help="JSON object passed to the chat template, as the chat API's "
-                        """chat_template_kwargs, e.g. '{"thinking": false}'; recorded in the """
-                        "output (default: none)")
+    options.add_template_kwargs_flag(p, recorded_in="the output")
     p.add_argument("--train-only-regenerated", action="store_true",
                    help="mark the original assistant turns a row keeps (agent traces under "
                         '--agent-policy last) "train": false, so hsdump extract masks them out '
@@ -551,30 +539,6 @@ def add_parser(subparsers: Any) -> None:
                    help="rows whose tool results answer earlier tool calls: regenerate only the "
                         "last assistant turn (last) or every turn (all) (default "
                         f"{DEFAULT_AGENT_POLICY})")
-    p.add_argument("--concurrency", type=int, default=DEFAULT_CONCURRENCY,
-                   help=f"rows in flight (default {DEFAULT_CONCURRENCY})")
-    p.add_argument("--shard", type=Shard.parse, default=Shard(),
-                   help="i/N: only shard i of N (hash of the id, as hsdump extract; default 0/1)")
-    p.add_argument("--on-error", choices=("skip", "fail"), default="fail",
-                   help="on a bad row or failed request: list it and go on (skip) or stop the "
-                        "run (fail) (default fail)")
-    p.add_argument("--max-consecutive-errors", type=int, default=ex.DEFAULT_MAX_CONSECUTIVE_ERRORS,
-                   help="stop after this many failed rows in a row, even with --on-error skip "
-                        f"(default {ex.DEFAULT_MAX_CONSECUTIVE_ERRORS})")
-    p.add_argument("--request-timeout", type=float, default=ex.DEFAULT_REQUEST_TIMEOUT,
-                   help="seconds to wait for one answer (default "
-                        f"{ex.DEFAULT_REQUEST_TIMEOUT:g})")
-    p.add_argument("--retries", type=int, default=ex.DEFAULT_RETRIES,
-                   help="retries on connection errors, with exponential backoff (default "
-                        f"{ex.DEFAULT_RETRIES})")
-    p.add_argument("--retry-wait", type=float, default=ex.DEFAULT_RETRY_WAIT,
-                   help=f"first backoff in seconds (default {ex.DEFAULT_RETRY_WAIT:g})")
-    p.add_argument("--trust-remote-code", action="store_true",
-                   help="allow the tokenizer's custom code (default off, unless the server "
-                        "itself runs with --trust-remote-code)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar (default: shown)")
-    p.add_argument("--report", type=Path, default=None,
-                   help="JSON report path (default OUT with the suffix .report.json)")
     p.set_defaults(func=main)
 
 
@@ -588,14 +552,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def settings_from_args(args: argparse.Namespace, sampling: dict[str, Any]) -> Settings:
     """Settings from parsed flags and the resolved sampling."""
     return Settings(
-        server=args.server, out=args.out, sampling=sampling,
-        chat_template_kwargs=args.chat_template_kwargs,
+        **options.server_settings(args), **options.run_settings(args), out=args.out,
+        sampling=sampling, chat_template_kwargs=args.chat_template_kwargs,
         train_only_regenerated=args.train_only_regenerated,
-        max_new_tokens=args.max_new_tokens, concurrency=args.concurrency,
-        agent_policy=args.agent_policy, on_error=args.on_error,
-        request_timeout=args.request_timeout, retries=args.retries,
-        retry_wait=args.retry_wait, max_consecutive_errors=args.max_consecutive_errors,
-        progress=not args.no_progress)
+        max_new_tokens=args.max_new_tokens, agent_policy=args.agent_policy)
 
 
 def report_path(args: argparse.Namespace) -> Path:
