@@ -146,16 +146,25 @@ class ServerClient:
             body["tools"] = tools
         if template_kwargs:
             body["chat_template_kwargs"] = template_kwargs
+        return self.post_json("/v1/tokenize", body, ConversationError, lambda r: (
+            "the server could not render this row's chat request (/v1/tokenize answered HTTP "
+            f"{r.status_code}: {r.text[:300]})"))["tokens"]
+
+    def post_json(self, path: str, body: dict[str, Any], error: type[Exception],
+                  refused: Callable[[requests.Response], str | None] | None = None) -> Any:
+        """POST ``body`` (re-sent after connection errors) and return the JSON answer. No
+        answer within --request-timeout, or an answer other than 200, raises ``error``: for
+        the latter with ``refused(response)`` as the message when it gives one, else the
+        status and text."""
         try:
-            r = self._request("POST", "/v1/tokenize", json=body, timeout=self.request_timeout)
+            r = self._request("POST", path, json=body, timeout=self.request_timeout)
         except requests.Timeout:
-            raise ConversationError("no answer from the server's /v1/tokenize within "
-                                    f"--request-timeout {self.request_timeout:g}s") from None
+            raise error(f"no answer from the server's {path} within --request-timeout "
+                        f"{self.request_timeout:g}s") from None
         if r.status_code != 200:
-            raise ConversationError(f"the server could not render this row's chat request "
-                                    f"(/v1/tokenize answered HTTP {r.status_code}: "
-                                    f"{r.text[:300]})")
-        return r.json()["tokens"]
+            raise error((refused and refused(r))
+                        or f"{path} answered HTTP {r.status_code}: {r.text[:500]}")
+        return r.json()
 
     def generate(self, rid: str, input_ids: list[int], *,
                  before_attempt: Callable[[], None] | None = None) -> dict[str, Any]:

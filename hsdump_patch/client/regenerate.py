@@ -23,13 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import requests
-
 from hsdump_patch import protocol
 from hsdump_patch.client import extract as ex
 from hsdump_patch.client import options, runner
 from hsdump_patch.client.conversation import ConversationError, ThinkMarkers, decode
-from hsdump_patch.client.dataset import SampleError, Shard, _parse_line, index_dataset
+from hsdump_patch.client.dataset import SampleError, Shard, index_dataset, read_row
 from hsdump_patch.client.options import RunSettings
 from hsdump_patch.client.regen_plan import AGENT_POLICIES, DEFAULT_AGENT_POLICY, Plan, plan_row
 from hsdump_patch.client.report import (
@@ -124,17 +122,8 @@ class RegenClient(ex.ServerClient):
 
     def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """POST JSON; raise RowFailed on an error answer (with the context overflow named)."""
-        try:
-            r = self._request("POST", path, json=body, timeout=self.request_timeout)
-        except requests.Timeout:
-            raise RowFailed(f"no answer from {path} within --request-timeout "
-                            f"{self.request_timeout:g}s") from None
-        if r.status_code != 200:
-            text = r.text[:500]
-            if "context length" in text:
-                raise RowFailed(f"context overflow: {text}")
-            raise RowFailed(f"{path} answered HTTP {r.status_code}: {text}")
-        return r.json()
+        return self.post_json(path, body, RowFailed, lambda r: (
+            f"context overflow: {r.text[:500]}" if "context length" in r.text[:500] else None))
 
 
 # ------------------------------------------------------------------------------ one row
@@ -394,9 +383,8 @@ def _planned(dataset: Path, refs: list[Any], policy: str) -> Iterator[Item | Sam
     with open(dataset, "rb") as f:
         for ref in refs:
             where = f"{dataset}:{ref.line}"
-            f.seek(ref.offset)
             try:
-                obj = _parse_line(f.readline(), where)
+                obj = read_row(f, ref, where)
                 yield ref.id, where, obj, plan_row(obj, where, policy)
             except SampleError as e:
                 e.sample_id = ref.id
