@@ -25,7 +25,7 @@ from typing import Any
 
 from hsdump_patch import protocol
 from hsdump_patch.client import extract as ex
-from hsdump_patch.client import options, runner
+from hsdump_patch.client import options, rows, runner
 from hsdump_patch.client.conversation import ConversationError, ThinkMarkers, decode
 from hsdump_patch.client.dataset import SampleError, Shard, index_dataset, read_row
 from hsdump_patch.client.options import RunSettings
@@ -42,7 +42,7 @@ from hsdump_patch.client.served import follow_chat_template, request_messages
 DEFAULT_MAX_NEW_TOKENS = 4096
 DEFAULT_CONCURRENCY = 32
 RID_PREFIX = "regen-"  # never the dump prefix: regeneration requests dump nothing
-ROW_FIELD = "regenerated"  # the per-row record of what was done
+ROW_FIELD = rows.REGENERATED  # the per-row record of what was done (rows.Regenerated)
 # The keys SGLang itself takes from generation_config.json under --sampling-defaults model
 # (sglang 0.5.23 srt/configs/model_config.py, ModelConfig.get_default_sampling_params).
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -240,7 +240,7 @@ class Regenerator:
                      "type": "function",
                      "function": {"name": c["name"], "arguments": c["parameters"]}}
                     for c in parsed["calls"]]
-        msg["token_ids"] = out["output_ids"]
+        msg[rows.TOKEN_IDS] = out["output_ids"]
         return msg
 
     def process(self, row_id: str, obj: dict[str, Any], plan: Plan) -> RowResult:
@@ -267,7 +267,7 @@ class Regenerator:
                 raise RowFailed(f"message {turn}: {e}") from None
             messages[turn:turn + 1] = [msg]
             prompt_tokens += len(ids)
-            tokens += len(msg["token_ids"])
+            tokens += len(msg[rows.TOKEN_IDS])
             done.append(turn)
             finish.append((out["meta_info"].get("finish_reason") or {}).get("type", "unknown"))
             if finish[-1] == "length":
@@ -277,20 +277,21 @@ class Regenerator:
         if self.s.train_only_regenerated:  # the kept original turns become prompt only
             for k, m in enumerate(messages):
                 if m["role"] == "assistant" and k not in done:
-                    m["train"] = False
-        record = {"policy": plan.mode, "agent_trace": plan.agent, "turns": done,
-                  "finish_reasons": finish, "cut": cut_at is not None, "cut_at": cut_at,
-                  "turns_not_generated": len(plan.turns) - len(done),
-                  "train_only_regenerated": self.s.train_only_regenerated,
-                  "sampling": self.s.sampling, "sampling_source": self.s.sampling_source,
-                  "chat_template_kwargs": self.s.chat_template_kwargs,
-                  "max_new_tokens": self.s.max_new_tokens}
+                    m[rows.TRAIN] = False
+        record = rows.Regenerated(
+            policy=plan.mode, agent_trace=plan.agent, turns=done, finish_reasons=finish,
+            cut=cut_at is not None, cut_at=cut_at,
+            turns_not_generated=len(plan.turns) - len(done),
+            train_only_regenerated=self.s.train_only_regenerated, sampling=self.s.sampling,
+            sampling_source=self.s.sampling_source,
+            chat_template_kwargs=self.s.chat_template_kwargs,
+            max_new_tokens=self.s.max_new_tokens)
         # the normalized conversation replaces the row's own (a top-level system prompt is in it)
         row = {k: v for k, v in obj.items() if k not in ("messages", "conversations", "system")}
         row.update(id=obj.get("id", row_id), messages=messages)
         if plan.tools is not None:
             row["tools"] = plan.tools
-        row[ROW_FIELD] = record
+        row[ROW_FIELD] = record.to_json()
         return RowResult(row, prompt_tokens, tokens, finish, len(plan.turns) - len(done))
 
 
@@ -342,7 +343,7 @@ def sampling_line(sampling: dict[str, Any], source: dict[str, str]) -> str:
 def print_summary(report: RegenReport, report_path: Path) -> None:
     """The end-of-run table, the issues (at most 20), the cut rows and the report's path."""
     finish = ", ".join(f"{k} {v:,}" for k, v in sorted(report.finish_reasons.items()))
-    rows = [
+    table = [
         ("rows regenerated", f"{report.rows:,}"),
         ("already done", f"{report.already_done:,}"),
         ("failed", f"{report.count('failed'):,}"),
@@ -361,7 +362,7 @@ def print_summary(report: RegenReport, report_path: Path) -> None:
     ]
     sampling = sampling_line(report.sampling, report.sampling_source)
     print(f"hsdump regenerate: shard {report.shard}, {sampling}")
-    print(format_table(rows))
+    print(format_table(table))
     print_issues(report)
     if report.cut_rows:
         shown = ", ".join(report.cut_rows[:10])
