@@ -612,10 +612,8 @@ def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "extract", help="extract hidden states for a JSONL dataset into training records",
         description=__doc__.splitlines()[0])
-    p.add_argument("--dataset", type=Path, required=True,
-                   help="JSONL: messages / conversations / input_ids+loss_mask rows (required)")
-    p.add_argument("--out", type=Path, required=True,
-                   help="output directory for records, manifest and report (required)")
+    options.add_io_flags(p, dataset="messages / conversations / input_ids+loss_mask rows",
+                         out="output directory for records, manifest and report")
     add_common_args(p)
     options.add_run_flags(p, noun="sample", concurrency=DEFAULT_CONCURRENCY,
                           report="OUT/report.shard-I-of-N.json")

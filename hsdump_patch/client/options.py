@@ -39,6 +39,12 @@ class RunSettings:
     progress: bool = True
 
 
+def add_io_flags(p: argparse.ArgumentParser, *, dataset: str, out: str) -> None:
+    """The required ``--dataset`` (a JSONL of ``dataset``) and ``--out`` (``out``)."""
+    p.add_argument("--dataset", type=Path, required=True, help=f"JSONL: {dataset} (required)")
+    p.add_argument("--out", type=Path, required=True, help=f"{out} (required)")
+
+
 def add_server_flags(p: argparse.ArgumentParser, *, model_for: str) -> None:
     """``--server``, ``--model`` (the tokenizer's source, read for ``model_for``), timeouts and
     retries, ``--trust-remote-code``, ``--no-progress``."""

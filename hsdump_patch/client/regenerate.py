@@ -486,11 +486,9 @@ def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "regenerate", help="let the served model write the answers of a chat dataset",
         description=__doc__.splitlines()[0])
-    p.add_argument("--dataset", type=Path, required=True,
-                   help="JSONL of messages / conversations rows (required)")
-    p.add_argument("--out", type=Path, required=True,
-                   help="output JSONL, messages rows with token_ids on every regenerated "
-                        "assistant turn (required; one per shard)")
+    options.add_io_flags(p, dataset="messages / conversations rows",
+                         out="output JSONL, one per shard: messages rows with token_ids on "
+                             "every regenerated assistant turn")
     options.add_server_flags(p, model_for="the tokenizer, chat template and generation_config")
     options.add_run_flags(p, noun="row", concurrency=DEFAULT_CONCURRENCY,
                           report="OUT with the suffix .report.json")
