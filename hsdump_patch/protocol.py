@@ -25,10 +25,11 @@ import os
 import re
 import struct
 import urllib.parse
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 FORMAT_VERSION = 1
 
@@ -161,13 +162,51 @@ def make_private_dir(path: Path) -> None:
         os.chmod(path, DIR_MODE)
 
 
-def write_json_atomic(path: Path, payload: Mapping[str, Any]) -> None:
-    """Write a small JSON file atomically with mode 0600."""
+PUBLIC_FILE_MODE = 0o666  # what open() creates: the umask decides
+
+
+@contextmanager
+def atomic_file(path: Path, *, mode: int = FILE_MODE, fsync: bool = True,
+                fsync_dir: bool = False) -> Iterator[BinaryIO]:
+    """Write ``path`` all at once or not at all: yield a new temp file beside it (O_EXCL,
+    ``mode``), then flush, fsync (``fsync``) and rename it over ``path``, then fsync the
+    directory (``fsync_dir``: the rename itself survives a crash). On any error the temp file
+    is removed and ``path`` is left as it was."""
+    tmp = temp_path(path)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            f.flush()
+            if fsync:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if fsync_dir:
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+def write_json_atomic(path: Path, payload: Mapping[str, Any], *, fsync: bool = True) -> None:
+    """Write a small JSON file atomically (:func:`atomic_file`) with mode 0600.
+
+    ``fsync=False`` (the capture's markers and status on ``/dev/shm``, written beside the
+    forward): raw writes, four system calls in all, where a file object adds fstat, ioctl, ...
+    and each call is a GIL hand-over that can delay the forward thread."""
     data = memoryview(json.dumps(payload, sort_keys=True).encode())
+    if fsync:
+        with atomic_file(path) as f:
+            f.write(data)
+        return
     tmp = temp_path(path)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
     try:
-        try:  # raw writes: 4 system calls in all (a file object adds fstat, ioctl, ...)
+        try:
             while data:
                 data = data[os.write(fd, data) :]
         finally:

@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_render import chat_row
 
 from hsdump_patch.client import extract as ex
+from hsdump_patch.client import options
 
 
 def run_once(args: argparse.Namespace, dataset: Path, out: Path, check: str) -> dict[str, Any]:
@@ -49,8 +50,8 @@ def run_once(args: argparse.Namespace, dataset: Path, out: Path, check: str) -> 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--server", default=ex.DEFAULT_SERVER,
-                   help=f"dump-enabled SGLang server (default {ex.DEFAULT_SERVER})")
+    p.add_argument("--server", default=options.DEFAULT_SERVER,
+                   help=f"dump-enabled SGLang server (default {options.DEFAULT_SERVER})")
     p.add_argument("--dump-dir", type=Path, default=Path(ex.DEFAULT_DUMP_DIR),
                    help=f"its dump dir (default {ex.DEFAULT_DUMP_DIR})")
     p.add_argument("--rows", type=int, default=16, help="agent-trace rows (default 16)")

@@ -481,7 +481,8 @@ class CaptureSession:
     def write_status(self) -> None:
         """Write ``status.json`` (writer rank) now."""
         self._status_at = time.monotonic()
-        protocol.write_json_atomic(self.config.dump_dir / protocol.STATUS, self.status())
+        protocol.write_json_atomic(self.config.dump_dir / protocol.STATUS, self.status(),
+                                   fsync=False)
 
     def _hand_off(self, state: _ForwardState, output: Any) -> None:
         t0 = time.perf_counter()

@@ -612,7 +612,7 @@ class DumpWriter:
             d = protocol.rid_dir(self.dump_dir, rid) if rid_dir is None else rid_dir
             if not state.dir_made:
                 protocol.make_private_dir(d)
-            protocol.write_json_atomic(d / marker, payload)
+            protocol.write_json_atomic(d / marker, payload, fsync=False)  # a transient dir
         except Exception:
             with self._cond:
                 self.stats.internal_errors += 1

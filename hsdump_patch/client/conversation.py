@@ -30,6 +30,8 @@ from typing import Any
 
 import jinja2
 
+from hsdump_patch.client import rows
+
 POLICIES = ("auto", "per-turn", "last")
 # ShareGPT speaker names -> chat-template roles.
 SHAREGPT_ROLES = {
@@ -523,7 +525,7 @@ class ChatRenderer:
             raise ConversationError("the conversation has no user message, so no assistant "
                                     "turn answers anything; nothing to train on")
         turns = [i for i, m in enumerate(conv.messages)
-                 if m["role"] == "assistant" and i > first_user and m.get("train") is not False]
+                 if m["role"] == "assistant" and i > first_user and rows.trained(m)]
         if not turns:
             raise ConversationError("the conversation has no assistant turn to train after a "
                                     'user message (none, or all "train": false); nothing to '
@@ -532,12 +534,11 @@ class ChatRenderer:
 
     def _completion(self, conv: Conversation, k: int, prompt: str) -> tuple[str, list[int]]:
         """Completion text and ids; a regenerated turn's ``token_ids`` are used verbatim."""
-        ids = conv.messages[k].get("token_ids")
+        try:
+            ids = rows.token_ids(conv.messages[k], k)
+        except rows.RowFieldError as e:
+            raise ConversationError(str(e)) from None
         if ids is not None:
-            if not isinstance(ids, list) or not all(
-                    isinstance(t, int) and not isinstance(t, bool) for t in ids) or not ids:
-                raise ConversationError(f"messages[{k}].token_ids must be a non-empty list of "
-                                        "integers")
             return decode(self.tokenizer, ids), ids
         text = self.completion_text(conv, k, prompt)
         ids = encode(self.tokenizer, text)
@@ -612,7 +613,7 @@ class ChatRenderer:
         done = 0
         for n, (start, end) in enumerate(cuts):
             head = encode(self.tokenizer, stream[done:start])
-            tokens = msgs[turns[n]].get("token_ids")
+            tokens = msgs[turns[n]].get(rows.TOKEN_IDS)
             if n == len(cuts) - 1:
                 body = last_completion[1]
             elif tokens is not None:
@@ -637,8 +638,8 @@ class ChatRenderer:
         model produced it: regenerated tokens verbatim, else its reasoning and content."""
         if self.header in emitted:
             return False
-        if msg.get("token_ids") is not None:
-            return decodes_to(self.tokenizer, msg["token_ids"], emitted)
+        if msg.get(rows.TOKEN_IDS) is not None:
+            return decodes_to(self.tokenizer, msg[rows.TOKEN_IDS], emitted)
         reasoning = (msg.get("reasoning_content") or "").strip()
         if reasoning and reasoning not in (
                 emitted.split(self.think.end)[0] if self.think else emitted):

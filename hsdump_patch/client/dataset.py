@@ -120,6 +120,13 @@ def _parse_line(raw: bytes, where: str) -> dict[str, Any]:
     return obj
 
 
+def read_row(f: BinaryIO, ref: RowRef, where: str) -> dict[str, Any]:
+    """The JSON object of the row ``ref`` points at in the open dataset ``f``; a
+    :class:`SampleError` naming ``where`` when the line is not one."""
+    f.seek(ref.offset)
+    return _parse_line(f.readline(), where)
+
+
 def index_dataset(path: Path) -> tuple[list[RowRef], list[SampleError]]:
     """Read every line's id; return the rows and the lines that are malformed.
 
@@ -203,10 +210,9 @@ def load_samples(f: BinaryIO, path: Path, ref: RowRef, renderer: ChatRenderer | 
     ``<id>#<message index>``). Raises :class:`SampleError` naming file and line.
     """
     where = f"{path}:{ref.line}"
-    f.seek(ref.offset)
     out = []
     try:
-        obj = _parse_line(f.readline(), where)
+        obj = read_row(f, ref, where)
         fallback = None
         if "input_ids" in obj:
             parts = [("", *_pretokenized(obj, where))]

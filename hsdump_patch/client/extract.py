@@ -11,10 +11,8 @@ hidden-state bytes in the dump dir.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures as cf
 import copy
 import errno
-import json
 import os
 import sys
 import threading
@@ -25,10 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import requests
-from tqdm import tqdm
 
 from hsdump_patch import protocol
-from hsdump_patch.client import assemble, buffers, records
+from hsdump_patch.client import assemble, buffers, options, records, runner
 from hsdump_patch.client.conversation import (
     POLICIES,
     ChatRenderer,
@@ -45,7 +42,8 @@ from hsdump_patch.client.dataset import (
 )
 from hsdump_patch.client.manifest import Manifest, load_done, remove_stale_temps
 from hsdump_patch.client.mask import LOSS_MASKS, apply_convention
-from hsdump_patch.client.report import ErrorPolicy, Report, print_summary
+from hsdump_patch.client.options import MAX_BACKOFF, RunSettings
+from hsdump_patch.client.report import Report, RunReport, print_summary
 from hsdump_patch.client.served import ServedPrompts, ServerDown, follow_chat_template
 from hsdump_patch.protocol import (
     DEFAULT_DUMP_DIR,
@@ -55,17 +53,11 @@ from hsdump_patch.protocol import (
     parse_size,
 )
 
-DEFAULT_SERVER = "http://127.0.0.1:30000"
 DEFAULT_CONCURRENCY = 16
-DEFAULT_REQUEST_TIMEOUT = 3600.0
 DEFAULT_DUMP_TIMEOUT = 300.0
-DEFAULT_RETRIES = 6
-DEFAULT_RETRY_WAIT = 1.0
 DEFAULT_MAX_INFLIGHT = "8GiB"
 DEFAULT_MIN_FREE = "2GiB"
-DEFAULT_MAX_CONSECUTIVE_ERRORS = 20
 PROMPT_CHECKS = ("server", "off")
-_MAX_BACKOFF = 30.0
 STALE_QUIET_S = 5.0
 
 
@@ -77,24 +69,16 @@ class _DuplicateRid(RuntimeError):
     """The server still runs a request with this rid (from a killed earlier run)."""
 
 
-@dataclass
-class Settings:
+@dataclass(kw_only=True)
+class Settings(RunSettings):
     """Everything an extraction run needs besides the samples."""
 
-    server: str
     dump_dir: Path
-    out: Path
     fmt: str = "eagle3"
     concurrency: int = DEFAULT_CONCURRENCY
-    on_error: str = "fail"
-    request_timeout: float = DEFAULT_REQUEST_TIMEOUT
     dump_timeout: float = DEFAULT_DUMP_TIMEOUT
-    retries: int = DEFAULT_RETRIES
-    retry_wait: float = DEFAULT_RETRY_WAIT
     max_inflight_bytes: int = parse_size(DEFAULT_MAX_INFLIGHT, "")
     min_free_bytes: int = parse_size(DEFAULT_MIN_FREE, "")
-    max_consecutive_errors: int = DEFAULT_MAX_CONSECUTIVE_ERRORS
-    progress: bool = True
     compress: bool = False
     allow_no_final: bool = False
     loss_mask: str = "completion"  # a convention of hsdump_patch.client.mask
@@ -132,7 +116,7 @@ class ServerClient:
             except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError) as e:
                 last = e
             if attempt < self.retries:
-                time.sleep(min(self.retry_wait * 2**attempt, _MAX_BACKOFF))
+                time.sleep(min(self.retry_wait * 2**attempt, MAX_BACKOFF))
         raise ServerDown(
             f"the server at {self.url} is unreachable: {self.retries + 1} attempts over "
             f"{time.monotonic() - t0:.1f}s failed (last: {type(last).__name__}: {last}); check "
@@ -162,16 +146,25 @@ class ServerClient:
             body["tools"] = tools
         if template_kwargs:
             body["chat_template_kwargs"] = template_kwargs
+        return self.post_json("/v1/tokenize", body, ConversationError, lambda r: (
+            "the server could not render this row's chat request (/v1/tokenize answered HTTP "
+            f"{r.status_code}: {r.text[:300]})"))["tokens"]
+
+    def post_json(self, path: str, body: dict[str, Any], error: type[Exception],
+                  refused: Callable[[requests.Response], str | None] | None = None) -> Any:
+        """POST ``body`` (re-sent after connection errors) and return the JSON answer. No
+        answer within --request-timeout, or an answer other than 200, raises ``error``: for
+        the latter with ``refused(response)`` as the message when it gives one, else the
+        status and text."""
         try:
-            r = self._request("POST", "/v1/tokenize", json=body, timeout=self.request_timeout)
+            r = self._request("POST", path, json=body, timeout=self.request_timeout)
         except requests.Timeout:
-            raise ConversationError("no answer from the server's /v1/tokenize within "
-                                    f"--request-timeout {self.request_timeout:g}s") from None
+            raise error(f"no answer from the server's {path} within --request-timeout "
+                        f"{self.request_timeout:g}s") from None
         if r.status_code != 200:
-            raise ConversationError(f"the server could not render this row's chat request "
-                                    f"(/v1/tokenize answered HTTP {r.status_code}: "
-                                    f"{r.text[:300]})")
-        return r.json()["tokens"]
+            raise error((refused and refused(r))
+                        or f"{path} answered HTTP {r.status_code}: {r.text[:500]}")
+        return r.json()
 
     def generate(self, rid: str, input_ids: list[int], *,
                  before_attempt: Callable[[], None] | None = None) -> dict[str, Any]:
@@ -376,85 +369,7 @@ class Extraction:
     def run(self, items: Iterable[Sample | SampleError], total: int, manifest: Manifest,
             report: Report) -> Report:
         """Process ``items`` (samples or the errors of bad rows); fill and return ``report``."""
-        s = self.s
-        t0 = time.monotonic()
-        pending: dict[cf.Future[Done], Sample] = {}
-        inflight = 0
-        bar = tqdm(total=total, unit="sample", disable=not s.progress, dynamic_ncols=True,
-                   file=sys.stderr)
-        policy = ErrorPolicy(report, s.on_error, s.max_consecutive_errors, "samples", bar)
-        issue = policy.issue
-
-        def est(sample: Sample) -> int:
-            return len(sample.input_ids) * self.info.bytes_per_token
-
-        def collect(block: bool) -> None:
-            nonlocal inflight
-            if not pending:
-                return
-            done, _ = cf.wait(pending, timeout=None if block else 0,
-                              return_when=cf.FIRST_COMPLETED)
-            for fut in done:
-                sample = pending.pop(fut)
-                inflight -= est(sample)
-                try:
-                    res = fut.result()
-                except SampleFailed as e:
-                    issue("failed", sample.id, sample.where, str(e))
-                    continue
-                except ServerDown as e:
-                    report.stop(str(e))
-                    issue("failed", sample.id, sample.where, str(e))
-                    continue
-                except OSError as e:
-                    if e.errno in _FATAL_ERRNOS:  # a full or read-only disk: stop
-                        report.stop(f"{sample.where}: {e}")
-                    issue("failed", sample.id, sample.where, f"{type(e).__name__}: {e}")
-                    continue
-                except Exception as e:  # anything else is local to this sample: list it
-                    issue("failed", sample.id, sample.where, f"{type(e).__name__}: {e}")
-                    continue
-                policy.ok()
-                manifest.append({"id": sample.id, "file": res.file,
-                                 "tokens": len(sample.input_ids), "trained": res.trained,
-                                 "bytes": res.size, "digest": sample.digest})
-                report.add_ok(len(sample.input_ids), res.size, res.chunks, res.trained,
-                              sample.id)
-                bar.update(1)
-                elapsed = max(time.monotonic() - t0, 1e-9)
-                bar.set_postfix_str(f"{report.tokens / elapsed:,.0f} tok/s, "
-                                    f"{report.bytes / 1e9:.2f} GB", refresh=False)
-
-        def has_room(need: int) -> bool:
-            if not pending:
-                return True
-            if len(pending) >= s.concurrency or inflight + need > s.max_inflight_bytes:
-                return False
-            return assemble.dump_free_bytes(s.dump_dir) - need >= s.min_free_bytes
-
-        with cf.ThreadPoolExecutor(s.concurrency, thread_name_prefix="hsdump") as pool:
-            try:
-                for item in items:
-                    if report.stopped:
-                        break
-                    if isinstance(item, SampleError):
-                        issue("skipped", item.sample_id, item.where, item.problem)
-                        continue
-                    need = est(item)
-                    while not has_room(need):
-                        collect(block=True)
-                    if not pending:
-                        self._wait_for_space(need, report)
-                        if report.stopped:
-                            break
-                    pending[pool.submit(self.process, item)] = item
-                    inflight += need
-                    collect(block=False)
-                while pending:
-                    collect(block=True)
-            finally:
-                bar.close()
-        report.wall_s = time.monotonic() - t0
+        runner.run(items, total, _ExtractJob(self, manifest, report), report, self.s)
         return report
 
     def _wait_for_space(self, need: int, report: Report) -> None:
@@ -486,6 +401,53 @@ class Extraction:
             else:
                 unfinished += 1
         return unfinished
+
+
+class _ExtractJob(runner.Job[Sample, Done]):
+    """An extraction's hooks in the bounded runner: hidden-state bytes in flight and free
+    space in the dump dir bound it; each record goes to the manifest."""
+
+    unit = "sample"
+
+    def __init__(self, extraction: Extraction, manifest: Manifest, report: Report) -> None:
+        self.extraction, self.manifest, self.report = extraction, manifest, report
+
+    def process(self, item: Sample) -> Done:
+        return self.extraction.process(item)
+
+    def key(self, item: Sample) -> tuple[str | None, str | None]:
+        return item.id, item.where
+
+    def failure(self, item: Sample, error: Exception, report: RunReport) -> str:
+        if isinstance(error, SampleFailed):
+            return str(error)
+        if isinstance(error, ServerDown):
+            report.stop(str(error))
+            return str(error)
+        if isinstance(error, OSError) and error.errno in _FATAL_ERRNOS:
+            report.stop(f"{item.where}: {error}")  # a full or read-only disk: stop
+        return f"{type(error).__name__}: {error}"  # anything else is local to this sample
+
+    def finished(self, item: Sample, result: Done) -> str:
+        self.manifest.append({"id": item.id, "file": result.file,
+                              "tokens": len(item.input_ids), "trained": result.trained,
+                              "bytes": result.size, "digest": item.digest})
+        self.report.add_ok(len(item.input_ids), result.size, result.chunks, result.trained,
+                           item.id)
+        return f"{self.report.bytes / 1e9:.2f} GB"
+
+    def cost(self, item: Sample) -> int:
+        return len(item.input_ids) * self.extraction.info.bytes_per_token
+
+    def has_room(self, need: int, inflight: int) -> bool:
+        s = self.extraction.s
+        if inflight + need > s.max_inflight_bytes:
+            return False
+        return assemble.dump_free_bytes(s.dump_dir) - need >= s.min_free_bytes
+
+    def wait_for_room(self, need: int, report: RunReport) -> bool:
+        self.extraction._wait_for_space(need, self.report)
+        return not report.stopped
 
 
 # ------------------------------------------------------------------------------ set-up
@@ -610,16 +572,12 @@ def _check_done(dataset: Path, refs: list[RowRef], done: dict[str, dict[str, Any
 
 
 def add_common_args(p: argparse.ArgumentParser) -> None:
-    """Connection, output and robustness flags shared by ``extract`` and ``smoke``."""
-    p.add_argument("--server", default=DEFAULT_SERVER,
-                   help=f"SGLang server URL (default {DEFAULT_SERVER})")
+    """The server, dump and record flags shared by ``extract`` and ``smoke``."""
+    options.add_server_flags(p, model_for="the tokenizer and chat template")
     p.add_argument("--dump-dir", type=Path,
                    default=Path(os.environ.get(ENV_DIR) or DEFAULT_DUMP_DIR),
                    help=f"the server's dump dir, visible on this machine (default ${ENV_DIR} or "
                         f"{DEFAULT_DUMP_DIR})")
-    p.add_argument("--model", default=None,
-                   help="model dir or hub id for the tokenizer and chat template (default: the "
-                        "server's tokenizer path from /model_info)")
     p.add_argument("--format", dest="fmt", choices=records.FORMATS, default="eagle3",
                    help="record format: eagle3 (<id>.pt) or specforge (what SpecForge's offline "
                         "training reads: rows_*/<id>.ckpt) (default eagle3)")
@@ -635,21 +593,9 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rid-prefix", default=None,
                    help="expected rid prefix (default: the one in server.json, normally "
                         f"{DEFAULT_RID_PREFIX!r})")
-    p.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT,
-                   help="seconds to wait for one /generate answer (default "
-                        f"{DEFAULT_REQUEST_TIMEOUT:g})")
     p.add_argument("--dump-timeout", type=float, default=DEFAULT_DUMP_TIMEOUT,
                    help="seconds to wait for a request's done/error marker after its answer "
                         f"(default {DEFAULT_DUMP_TIMEOUT:g})")
-    p.add_argument("--retries", type=int, default=DEFAULT_RETRIES,
-                   help=f"retries on connection errors, with exponential backoff (default "
-                        f"{DEFAULT_RETRIES})")
-    p.add_argument("--retry-wait", type=float, default=DEFAULT_RETRY_WAIT,
-                   help=f"first backoff in seconds, doubled per retry up to {_MAX_BACKOFF:g} "
-                        f"(default {DEFAULT_RETRY_WAIT:g})")
-    p.add_argument("--trust-remote-code", action="store_true",
-                   help="allow the tokenizer's custom code, as Kimi-K2/K2.5's needs (default: "
-                        "off, unless the server itself runs with --trust-remote-code)")
     p.add_argument("--multi-turn", choices=POLICIES, default="auto",
                    help="samples of a multi-turn chat row: auto (one sample with every "
                         "assistant turn trained when each turn's serving prompt extends the "
@@ -659,7 +605,6 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                    help="SGLang reasoning parser whose think markers wrap reasoning_content, "
                         "e.g. kimi_k2 (default: the server's --reasoning-parser, else <think> / "
                         "</think> when both are tokens)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar (default: shown)")
 
 
 def add_parser(subparsers: Any) -> None:
@@ -667,28 +612,16 @@ def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "extract", help="extract hidden states for a JSONL dataset into training records",
         description=__doc__.splitlines()[0])
-    p.add_argument("--dataset", type=Path, required=True,
-                   help="JSONL: messages / conversations / input_ids+loss_mask rows (required)")
-    p.add_argument("--out", type=Path, required=True,
-                   help="output directory for records, manifest and report (required)")
+    options.add_io_flags(p, dataset="messages / conversations / input_ids+loss_mask rows",
+                         out="output directory for records, manifest and report")
     add_common_args(p)
-    p.add_argument("--on-error", choices=("skip", "fail"), default="fail",
-                   help="on a bad row or failed sample: list it and go on (skip) or stop the "
-                        "run (fail) (default fail)")
-    p.add_argument("--shard", type=Shard.parse, default=Shard(),
-                   help="i/N: process only shard i of N (hash of the id; default 0/1)")
-    p.add_argument("--concurrency", type=int, default=DEFAULT_CONCURRENCY,
-                   help=f"requests in flight (default {DEFAULT_CONCURRENCY})")
+    options.add_run_flags(p, noun="sample", concurrency=DEFAULT_CONCURRENCY,
+                          report="OUT/report.shard-I-of-N.json")
     p.add_argument("--max-inflight-bytes", default=DEFAULT_MAX_INFLIGHT,
                    help="cap on the estimated hidden-state bytes of requests in flight "
                         f"(default {DEFAULT_MAX_INFLIGHT})")
     p.add_argument("--min-free-bytes", default=DEFAULT_MIN_FREE,
                    help=f"free space kept in the dump dir (default {DEFAULT_MIN_FREE})")
-    p.add_argument("--max-consecutive-errors", type=int, default=DEFAULT_MAX_CONSECUTIVE_ERRORS,
-                   help="stop after this many failed samples in a row, even with --on-error "
-                        f"skip (default {DEFAULT_MAX_CONSECUTIVE_ERRORS})")
-    p.add_argument("--report", type=Path, default=None,
-                   help="JSON report path (default OUT/report.shard-I-of-N.json)")
     p.add_argument("--loss-mask", choices=LOSS_MASKS, default="completion",
                    help="completion: 1 on each turn's emitted tokens; drafted: 1 where, under "
                         "SpecForge's one-token shift, the drafter's input and target tokens "
@@ -699,31 +632,15 @@ def add_parser(subparsers: Any) -> None:
                         "serves for that turn's chat request (its /v1/tokenize), a row that "
                         "differs is skipped with the reason; off: trust local rendering "
                         "(default server)")
-    p.add_argument("--chat-template-kwargs", type=template_kwargs, default=None,
-                   help='JSON object passed to every chat-template rendering, as a request\'s '
-                        'chat_template_kwargs (e.g. \'{"thinking": false}\' for Kimi-K2.5 '
-                        "instant mode); recorded in hsdump-meta.json (default: none)")
+    options.add_template_kwargs_flag(p, recorded_in=records.META_FILE)
     p.set_defaults(func=main)
-
-
-def template_kwargs(text: str) -> dict[str, Any]:
-    """``--chat-template-kwargs``: a JSON object."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError('must be a JSON object, e.g. \'{"thinking": false}\'')
-    return value
 
 
 def settings_from_args(args: argparse.Namespace, out: Path, **overrides: Any) -> Settings:
     """Build Settings from parsed flags (``overrides`` win)."""
     values: dict[str, Any] = {
-        "server": args.server, "dump_dir": args.dump_dir, "out": out, "fmt": args.fmt,
-        "request_timeout": args.request_timeout, "dump_timeout": args.dump_timeout,
-        "retries": args.retries, "retry_wait": args.retry_wait,
-        "progress": not args.no_progress, "compress": args.compress,
+        **options.server_settings(args), "dump_dir": args.dump_dir, "out": out,
+        "fmt": args.fmt, "dump_timeout": args.dump_timeout, "compress": args.compress,
         "allow_no_final": args.allow_no_final,
     }
     values.update(overrides)
@@ -734,10 +651,10 @@ def main(args: argparse.Namespace) -> int:
     """Run ``hsdump extract``; exit 0 all ok, 3 finished with skipped/failed samples, 1 stopped."""
     try:
         settings = settings_from_args(
-            args, args.out, on_error=args.on_error, concurrency=args.concurrency,
+            args, args.out, **options.run_settings(args),
             max_inflight_bytes=parse_size(args.max_inflight_bytes, "--max-inflight-bytes"),
             min_free_bytes=parse_size(args.min_free_bytes, "--min-free-bytes"),
-            max_consecutive_errors=args.max_consecutive_errors, loss_mask=args.loss_mask)
+            loss_mask=args.loss_mask)
         report = extract(settings, args.dataset, shard=args.shard, model=args.model,
                          max_len=args.max_len, rid_prefix=args.rid_prefix,
                          trust_remote_code=args.trust_remote_code, multi_turn=args.multi_turn,

@@ -181,13 +181,8 @@ def vocab_mapping(counts: Counter, draft_vocab_size: int,
 def save_mapping(path: Path, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
     """Write ``{"d2t", "t2d"}`` as SpecForge's ``load_vocab_mapping`` reads it (atomically)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = protocol.temp_path(path)
-    try:
-        torch.save({"d2t": d2t, "t2d": t2d}, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with protocol.atomic_file(path, mode=protocol.PUBLIC_FILE_MODE) as f:
+        torch.save({"d2t": d2t, "t2d": t2d}, f)
 
 
 def target_vocab_from_model(meta: dict[str, Any]) -> int:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
-import os
 import re
 import secrets
 import sys
@@ -182,24 +181,16 @@ class RecordBuilder:
 
 
 def save_atomic(record: dict[str, Any], path: Path, compress: bool = False) -> int:
-    """Write ``record`` to ``path`` (temp file, fsync, rename; gzip when ``compress``); return
-    the bytes written. Creates the parent directory."""
+    """Write ``record`` to ``path`` (:func:`protocol.atomic_file`; gzip when ``compress``);
+    return the bytes written. Creates the parent directory."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = protocol.temp_path(path)
-    try:
-        with open(tmp, "wb") as f:
-            if compress:
-                with gzip.GzipFile(fileobj=f, mode="wb", compresslevel=GZIP_LEVEL) as gz:
-                    torch.save(record, gz)
-            else:
-                torch.save(record, f)
-            f.flush()
-            os.fsync(f.fileno())
-            size = f.tell()
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with protocol.atomic_file(path, mode=protocol.PUBLIC_FILE_MODE) as f:
+        if compress:
+            with gzip.GzipFile(fileobj=f, mode="wb", compresslevel=GZIP_LEVEL) as gz:
+                torch.save(record, gz)
+        else:
+            torch.save(record, f)
+        size = f.tell()
     return size
 
 

@@ -15,27 +15,23 @@ Output rows are written exactly once (``rowlog``), in dataset order at the end o
 from __future__ import annotations
 
 import argparse
-import concurrent.futures as cf
 import hashlib
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import requests
-from tqdm import tqdm
-
 from hsdump_patch import protocol
 from hsdump_patch.client import extract as ex
+from hsdump_patch.client import options, rows, runner
 from hsdump_patch.client.conversation import ConversationError, ThinkMarkers, decode
-from hsdump_patch.client.dataset import SampleError, Shard, _parse_line, index_dataset
+from hsdump_patch.client.dataset import SampleError, Shard, index_dataset, read_row
+from hsdump_patch.client.options import RunSettings
 from hsdump_patch.client.regen_plan import AGENT_POLICIES, DEFAULT_AGENT_POLICY, Plan, plan_row
 from hsdump_patch.client.report import (
     EXIT_STOPPED,
-    ErrorPolicy,
     RunReport,
     format_table,
     print_issues,
@@ -46,7 +42,7 @@ from hsdump_patch.client.served import follow_chat_template, request_messages
 DEFAULT_MAX_NEW_TOKENS = 4096
 DEFAULT_CONCURRENCY = 32
 RID_PREFIX = "regen-"  # never the dump prefix: regeneration requests dump nothing
-ROW_FIELD = "regenerated"  # the per-row record of what was done
+ROW_FIELD = rows.REGENERATED  # the per-row record of what was done (rows.Regenerated)
 # The keys SGLang itself takes from generation_config.json under --sampling-defaults model
 # (sglang 0.5.23 srt/configs/model_config.py, ModelConfig.get_default_sampling_params).
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -126,28 +122,17 @@ class RegenClient(ex.ServerClient):
 
     def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """POST JSON; raise RowFailed on an error answer (with the context overflow named)."""
-        try:
-            r = self._request("POST", path, json=body, timeout=self.request_timeout)
-        except requests.Timeout:
-            raise RowFailed(f"no answer from {path} within --request-timeout "
-                            f"{self.request_timeout:g}s") from None
-        if r.status_code != 200:
-            text = r.text[:500]
-            if "context length" in text:
-                raise RowFailed(f"context overflow: {text}")
-            raise RowFailed(f"{path} answered HTTP {r.status_code}: {text}")
-        return r.json()
+        return self.post_json(path, body, RowFailed, lambda r: (
+            f"context overflow: {r.text[:500]}" if "context length" in r.text[:500] else None))
 
 
 # ------------------------------------------------------------------------------ one row
 
 
-@dataclass
-class Settings:
+@dataclass(kw_only=True)
+class Settings(RunSettings):
     """Everything a regeneration run needs besides the rows."""
 
-    server: str
-    out: Path
     sampling: dict[str, Any]
     sampling_source: dict[str, str] = field(default_factory=dict)
     chat_template_kwargs: dict[str, Any] | None = None
@@ -155,12 +140,6 @@ class Settings:
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     concurrency: int = DEFAULT_CONCURRENCY
     agent_policy: str = DEFAULT_AGENT_POLICY
-    on_error: str = "fail"
-    request_timeout: float = ex.DEFAULT_REQUEST_TIMEOUT
-    retries: int = ex.DEFAULT_RETRIES
-    retry_wait: float = ex.DEFAULT_RETRY_WAIT
-    max_consecutive_errors: int = ex.DEFAULT_MAX_CONSECUTIVE_ERRORS
-    progress: bool = True
 
 
 @dataclass
@@ -261,7 +240,7 @@ class Regenerator:
                      "type": "function",
                      "function": {"name": c["name"], "arguments": c["parameters"]}}
                     for c in parsed["calls"]]
-        msg["token_ids"] = out["output_ids"]
+        msg[rows.TOKEN_IDS] = out["output_ids"]
         return msg
 
     def process(self, row_id: str, obj: dict[str, Any], plan: Plan) -> RowResult:
@@ -288,7 +267,7 @@ class Regenerator:
                 raise RowFailed(f"message {turn}: {e}") from None
             messages[turn:turn + 1] = [msg]
             prompt_tokens += len(ids)
-            tokens += len(msg["token_ids"])
+            tokens += len(msg[rows.TOKEN_IDS])
             done.append(turn)
             finish.append((out["meta_info"].get("finish_reason") or {}).get("type", "unknown"))
             if finish[-1] == "length":
@@ -298,20 +277,21 @@ class Regenerator:
         if self.s.train_only_regenerated:  # the kept original turns become prompt only
             for k, m in enumerate(messages):
                 if m["role"] == "assistant" and k not in done:
-                    m["train"] = False
-        record = {"policy": plan.mode, "agent_trace": plan.agent, "turns": done,
-                  "finish_reasons": finish, "cut": cut_at is not None, "cut_at": cut_at,
-                  "turns_not_generated": len(plan.turns) - len(done),
-                  "train_only_regenerated": self.s.train_only_regenerated,
-                  "sampling": self.s.sampling, "sampling_source": self.s.sampling_source,
-                  "chat_template_kwargs": self.s.chat_template_kwargs,
-                  "max_new_tokens": self.s.max_new_tokens}
+                    m[rows.TRAIN] = False
+        record = rows.Regenerated(
+            policy=plan.mode, agent_trace=plan.agent, turns=done, finish_reasons=finish,
+            cut=cut_at is not None, cut_at=cut_at,
+            turns_not_generated=len(plan.turns) - len(done),
+            train_only_regenerated=self.s.train_only_regenerated, sampling=self.s.sampling,
+            sampling_source=self.s.sampling_source,
+            chat_template_kwargs=self.s.chat_template_kwargs,
+            max_new_tokens=self.s.max_new_tokens)
         # the normalized conversation replaces the row's own (a top-level system prompt is in it)
         row = {k: v for k, v in obj.items() if k not in ("messages", "conversations", "system")}
         row.update(id=obj.get("id", row_id), messages=messages)
         if plan.tools is not None:
             row["tools"] = plan.tools
-        row[ROW_FIELD] = record
+        row[ROW_FIELD] = record.to_json()
         return RowResult(row, prompt_tokens, tokens, finish, len(plan.turns) - len(done))
 
 
@@ -363,7 +343,7 @@ def sampling_line(sampling: dict[str, Any], source: dict[str, str]) -> str:
 def print_summary(report: RegenReport, report_path: Path) -> None:
     """The end-of-run table, the issues (at most 20), the cut rows and the report's path."""
     finish = ", ".join(f"{k} {v:,}" for k, v in sorted(report.finish_reasons.items()))
-    rows = [
+    table = [
         ("rows regenerated", f"{report.rows:,}"),
         ("already done", f"{report.already_done:,}"),
         ("failed", f"{report.count('failed'):,}"),
@@ -382,7 +362,7 @@ def print_summary(report: RegenReport, report_path: Path) -> None:
     ]
     sampling = sampling_line(report.sampling, report.sampling_source)
     print(f"hsdump regenerate: shard {report.shard}, {sampling}")
-    print(format_table(rows))
+    print(format_table(table))
     print_issues(report)
     if report.cut_rows:
         shown = ", ".join(report.cut_rows[:10])
@@ -395,71 +375,56 @@ def print_summary(report: RegenReport, report_path: Path) -> None:
 # ------------------------------------------------------------------------------ the run
 
 
-def _planned(dataset: Path, refs: list[Any], policy: str
-             ) -> Iterator[tuple[str, str, dict[str, Any], Plan] | SampleError]:
+Item = tuple[str, str, dict[str, Any], Plan]  # (id, file:line, row, plan)
+
+
+def _planned(dataset: Path, refs: list[Any], policy: str) -> Iterator[Item | SampleError]:
     """Each row as ``(id, file:line, object, plan)``, or the SampleError saying why it is
     unfit."""
     with open(dataset, "rb") as f:
         for ref in refs:
             where = f"{dataset}:{ref.line}"
-            f.seek(ref.offset)
             try:
-                obj = _parse_line(f.readline(), where)
+                obj = read_row(f, ref, where)
                 yield ref.id, where, obj, plan_row(obj, where, policy)
             except SampleError as e:
                 e.sample_id = ref.id
                 yield e
 
 
-def run(s: Settings, regen: Regenerator, items: Iterator[Any], total: int, log: RowLog,
-        report: RegenReport) -> None:
+class _RegenJob(runner.Job[Item, RowResult]):
+    """A regeneration's hooks in the bounded runner: each finished row goes to the row log."""
+
+    unit = "row"
+    thread_prefix = "hsdump-regen"
+
+    def __init__(self, regen: Regenerator, log: RowLog, report: RegenReport) -> None:
+        self.regen, self.log, self.report = regen, log, report
+
+    def key(self, item: Item) -> tuple[str | None, str | None]:
+        return item[0], item[1]
+
+    def process(self, item: Item) -> RowResult:
+        row_id, _, obj, plan = item
+        return self.regen.process(row_id, obj, plan)
+
+    def failure(self, item: Item, error: Exception, report: RunReport) -> str:
+        if not isinstance(error, RowFailed):  # server down, local fault: stop, do not spin
+            where = item[1]
+            report.stop(f"{where}: {error}" if isinstance(error, ex.ServerDown)
+                        else f"{where}: {type(error).__name__}: {error}")
+            return f"{type(error).__name__}: {error}"
+        return str(error)
+
+    def finished(self, item: Item, result: RowResult) -> None:
+        self.log.append(result.row)
+        self.report.add_ok(item[0], result)
+
+
+def run(s: Settings, regen: Regenerator, items: Iterator[Item | SampleError], total: int,
+        log: RowLog, report: RegenReport) -> None:
     """Regenerate ``items`` with bounded concurrency, appending finished rows to ``log``."""
-    t0 = time.monotonic()
-    pending: dict[cf.Future[RowResult], tuple[str, str]] = {}
-    bar = tqdm(total=total, unit="row", disable=not s.progress, dynamic_ncols=True,
-               file=sys.stderr)
-    policy = ErrorPolicy(report, s.on_error, s.max_consecutive_errors, "rows", bar)
-    issue = policy.issue
-
-    def collect(block: bool) -> None:
-        done, _ = cf.wait(pending, timeout=None if block else 0, return_when=cf.FIRST_COMPLETED)
-        for fut in done:
-            row_id, where = pending.pop(fut)
-            try:
-                res = fut.result()
-            except RowFailed as e:
-                issue("failed", row_id, where, str(e))
-                continue
-            except Exception as e:  # server down, local fault: stop, do not spin
-                report.stop(f"{where}: {e}" if isinstance(e, ex.ServerDown)
-                            else f"{where}: {type(e).__name__}: {e}")
-                issue("failed", row_id, where, f"{type(e).__name__}: {e}")
-                continue
-            policy.ok()
-            log.append(res.row)
-            report.add_ok(row_id, res)
-            bar.update(1)
-            bar.set_postfix_str(f"{report.tokens / max(time.monotonic() - t0, 1e-9):,.0f} tok/s",
-                                refresh=False)
-
-    with cf.ThreadPoolExecutor(s.concurrency, thread_name_prefix="hsdump-regen") as pool:
-        try:
-            for item in items:
-                if report.stopped:
-                    break
-                if isinstance(item, SampleError):
-                    issue("skipped", item.sample_id, item.where, item.problem)
-                    continue
-                while len(pending) >= s.concurrency:
-                    collect(block=True)
-                row_id, where, obj, plan = item
-                pending[pool.submit(regen.process, row_id, obj, plan)] = (row_id, where)
-                collect(block=False)
-            while pending:
-                collect(block=True)
-        finally:
-            bar.close()
-    report.wall_s = time.monotonic() - t0
+    runner.run(items, total, _RegenJob(regen, log, report), report, s)
 
 
 def regenerate(args: argparse.Namespace) -> RegenReport:
@@ -521,16 +486,12 @@ def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "regenerate", help="let the served model write the answers of a chat dataset",
         description=__doc__.splitlines()[0])
-    p.add_argument("--server", default=ex.DEFAULT_SERVER,
-                   help=f"SGLang server URL (default {ex.DEFAULT_SERVER})")
-    p.add_argument("--dataset", type=Path, required=True,
-                   help="JSONL of messages / conversations rows (required)")
-    p.add_argument("--out", type=Path, required=True,
-                   help="output JSONL, messages rows with token_ids on every regenerated "
-                        "assistant turn (required; one per shard)")
-    p.add_argument("--model", default=None,
-                   help="model dir or hub id for the tokenizer, chat template and "
-                        "generation_config (default: the server's tokenizer path)")
+    options.add_io_flags(p, dataset="messages / conversations rows",
+                         out="output JSONL, one per shard: messages rows with token_ids on "
+                             "every regenerated assistant turn")
+    options.add_server_flags(p, model_for="the tokenizer, chat template and generation_config")
+    options.add_run_flags(p, noun="row", concurrency=DEFAULT_CONCURRENCY,
+                          report="OUT with the suffix .report.json")
     g = p.add_argument_group(
         "sampling (default: what the served chat API uses: the model's generation_config.json "
         "under the server's --sampling-defaults model, else SGLang's defaults; printed and "
@@ -547,10 +508,7 @@ def add_parser(subparsers: Any) -> None:
     g.add_argument("--seed", dest="sampling_seed", type=int, default=None,
                    help="sampling seed sent with each request; SGLang uses it only when the "
                         "server runs with --enable-deterministic-inference (default: none)")
-    p.add_argument("--chat-template-kwargs", type=ex.template_kwargs, default=None,
-                   help="JSON object passed to the chat template, as the chat API's "
-                        """chat_template_kwargs, e.g. '{"thinking": false}'; recorded in the """
-                        "output (default: none)")
+    options.add_template_kwargs_flag(p, recorded_in="the output")
     p.add_argument("--train-only-regenerated", action="store_true",
                    help="mark the original assistant turns a row keeps (agent traces under "
                         '--agent-policy last) "train": false, so hsdump extract masks them out '
@@ -568,30 +526,6 @@ def add_parser(subparsers: Any) -> None:
                    help="rows whose tool results answer earlier tool calls: regenerate only the "
                         "last assistant turn (last) or every turn (all) (default "
                         f"{DEFAULT_AGENT_POLICY})")
-    p.add_argument("--concurrency", type=int, default=DEFAULT_CONCURRENCY,
-                   help=f"rows in flight (default {DEFAULT_CONCURRENCY})")
-    p.add_argument("--shard", type=Shard.parse, default=Shard(),
-                   help="i/N: only shard i of N (hash of the id, as hsdump extract; default 0/1)")
-    p.add_argument("--on-error", choices=("skip", "fail"), default="fail",
-                   help="on a bad row or failed request: list it and go on (skip) or stop the "
-                        "run (fail) (default fail)")
-    p.add_argument("--max-consecutive-errors", type=int, default=ex.DEFAULT_MAX_CONSECUTIVE_ERRORS,
-                   help="stop after this many failed rows in a row, even with --on-error skip "
-                        f"(default {ex.DEFAULT_MAX_CONSECUTIVE_ERRORS})")
-    p.add_argument("--request-timeout", type=float, default=ex.DEFAULT_REQUEST_TIMEOUT,
-                   help="seconds to wait for one answer (default "
-                        f"{ex.DEFAULT_REQUEST_TIMEOUT:g})")
-    p.add_argument("--retries", type=int, default=ex.DEFAULT_RETRIES,
-                   help="retries on connection errors, with exponential backoff (default "
-                        f"{ex.DEFAULT_RETRIES})")
-    p.add_argument("--retry-wait", type=float, default=ex.DEFAULT_RETRY_WAIT,
-                   help=f"first backoff in seconds (default {ex.DEFAULT_RETRY_WAIT:g})")
-    p.add_argument("--trust-remote-code", action="store_true",
-                   help="allow the tokenizer's custom code (default off, unless the server "
-                        "itself runs with --trust-remote-code)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar (default: shown)")
-    p.add_argument("--report", type=Path, default=None,
-                   help="JSON report path (default OUT with the suffix .report.json)")
     p.set_defaults(func=main)
 
 
@@ -605,14 +539,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def settings_from_args(args: argparse.Namespace, sampling: dict[str, Any]) -> Settings:
     """Settings from parsed flags and the resolved sampling."""
     return Settings(
-        server=args.server, out=args.out, sampling=sampling,
-        chat_template_kwargs=args.chat_template_kwargs,
+        **options.server_settings(args), **options.run_settings(args), out=args.out,
+        sampling=sampling, chat_template_kwargs=args.chat_template_kwargs,
         train_only_regenerated=args.train_only_regenerated,
-        max_new_tokens=args.max_new_tokens, concurrency=args.concurrency,
-        agent_policy=args.agent_policy, on_error=args.on_error,
-        request_timeout=args.request_timeout, retries=args.retries,
-        retry_wait=args.retry_wait, max_consecutive_errors=args.max_consecutive_errors,
-        progress=not args.no_progress)
+        max_new_tokens=args.max_new_tokens, agent_policy=args.agent_policy)
 
 
 def report_path(args: argparse.Namespace) -> Path:

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from hsdump_patch import protocol
 from hsdump_patch.client.applog import exclusive_lock, truncate_torn_line
 
 
@@ -70,28 +71,20 @@ class RowLog:
         order = [i for i in dict.fromkeys(order) if i in self.done]
         listed = set(order)
         ids = order + [i for i in self.done if i not in listed]
-        tmp = self.out.with_name(f".{self.out.name}.tmp-{os.getpid()}")
         sources = {p: open(p, "rb") for p in {self.done[i][0] for i in ids}}  # noqa: SIM115
         new: dict[str, tuple[Path, int, int]] = {}
         try:
-            with open(tmp, "wb") as f:
+            with protocol.atomic_file(self.out, mode=protocol.PUBLIC_FILE_MODE,
+                                      fsync_dir=True) as f:
                 for i in ids:
                     path, offset, length = self.done[i]
                     src = sources[path]
                     src.seek(offset)
                     new[i] = (self.out, f.tell(), length)
                     f.write(src.read(length))
-                f.flush()
-                os.fsync(f.fileno())
         finally:
             for src in sources.values():
                 src.close()
-        os.replace(tmp, self.out)
-        dir_fd = os.open(self.out.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
         self._f.close()
         self.part.unlink(missing_ok=True)
         self._f = open(self.part, "ab")  # noqa: SIM115 - closed in close()

@@ -28,6 +28,7 @@ from hsdump_patch.client import regenerate as rg
 from hsdump_patch.client.conversation import prompt_ids
 from hsdump_patch.client.dataset import ChatRenderer, Sample, index_dataset, iter_samples
 from hsdump_patch.client.manifest import load_done
+from hsdump_patch.client.rows import REGENERATED, TOKEN_IDS
 
 DEFAULT_REPORT = "hsdump-smoke-report.json"
 _LONG = " ".join([
@@ -152,13 +153,13 @@ def check_regeneration(args: argparse.Namespace, work: Path, tokenizer: Any
     client = rg.RegenClient(args.server, request_timeout=args.request_timeout, retries=0,
                             retry_wait=args.retry_wait)
     for row in rows:
-        msgs, turns = row["messages"], row[rg.ROW_FIELD]["turns"]
+        msgs, turns = row["messages"], row[REGENERATED]["turns"]
         problems += [f"{row['id']}: turn {k} has no token_ids" for k in turns
-                     if not msgs[k].get("token_ids")]
+                     if not msgs[k].get(TOKEN_IDS)]
         ids = prompt_ids(tokenizer, msgs[: turns[-1]], row.get("tools"))
         again = client.post("/generate", {"input_ids": ids, "sampling_params": {
             "temperature": 0, "max_new_tokens": REGEN_NEW_TOKENS}})["output_ids"]
-        if again != msgs[turns[-1]].get("token_ids"):
+        if again != msgs[turns[-1]].get(TOKEN_IDS):
             problems.append(f"{row['id']}: /generate gives other ids for the last prompt")
     if len(rows) != 2:
         problems.append(f"{len(rows)}/2 rows regenerated")
