@@ -41,7 +41,7 @@ disk: ## Check, in seconds, that the disk can hold what `make test` builds (scri
 	$(PYTHON) scripts/check_disk.py $(VENV)
 
 test: prereqs disk $(STAMP) $(SPECFORGE_DIR) ## Run the whole test suite (real CPU SGLang servers; sets itself up)
-	HSDUMP_SPECFORGE_PATH=$(abspath $(SPECFORGE_DIR)) $(PY) -m pytest -ra $(PYTEST_ARGS)
+	HSDUMP_SPECFORGE_PATH=$(abspath $(SPECFORGE_DIR)) $(PY) -m pytest -ra --durations=25 $(PYTEST_ARGS)
 
 lint: $(STAMP) ## ruff over the package, tests and scripts; the import contract (pyproject.toml)
 	$(VENV)/bin/ruff check hsdump_patch tests scripts
