@@ -43,7 +43,8 @@ from hsdump_patch.client.assemble import (
     wait_until_settled,
 )
 from hsdump_patch.client.buffers import BufferPool
-from hsdump_patch.client.extract import DEFAULT_DUMP_TIMEOUT, DEFAULT_SERVER, check_meta
+from hsdump_patch.client.extract import DEFAULT_DUMP_TIMEOUT, check_meta
+from hsdump_patch.client.options import DEFAULT_SERVER
 from hsdump_patch.client.records import RecordBuilder, torch_dtype
 
 # The server's generic artifacts (SpecForge's ServerCaptureSchema aux / last_hidden_feature).
