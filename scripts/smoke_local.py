@@ -4,36 +4,67 @@
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.harness import make_models  # noqa: E402 - the repo root must be importable first
-from tests.harness import server as srv  # noqa: E402
+from hsdump_patch.ops import launch, verify_model  # noqa: E402 - the repo root first
+from hsdump_patch.ops.serve import REQUIRED_ARGS  # noqa: E402
+from hsdump_patch.protocol import ENV_DIR, ENV_FINAL  # noqa: E402
 
+# The CPU stand-ins SGLang 0.5.23 needs without a GPU (sgl_kernel, the CPU MLA fix).
+CPU_SHIM = REPO / "scripts" / "cpu_shim"
 # Small prefill chunks, so the smoke's long prompt is dumped in several chunks.
 SERVER_ARGS = ["--chunked-prefill-size", "32"]
+
+
+def server_env(dump: Path) -> dict[str, str]:
+    """This environment, with SGLang's CPU engine, the CPU stand-ins and the dump (final state
+    included) on."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CPU_SHIM), env.get("PYTHONPATH")) if p)
+    env["SGLANG_USE_CPU_ENGINE"] = "1"
+    # torch.compile's shared on-disk cache is not safe across concurrent processes: our own.
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR",
+                   os.path.join(tempfile.gettempdir(), f"hsdump-inductor-{os.getpid()}"))
+    env[ENV_DIR], env[ENV_FINAL] = str(dump), "1"
+    return env
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=Path, default=REPO / ".cache" / "smoke",
                         help="model, dump dir, server log and report (default .cache/smoke)")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="checkpoint to serve (default: hsdump verify's tiny random "
+                             "DeepSeek-V3, written to WORK/tiny-deepseek-v3)")
     args = parser.parse_args()
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
-    model = work / "tiny-llama"
-    if not (model / "config.json").exists():
-        print(f"smoke: writing a tiny random Llama to {model}", flush=True)
-        make_models.make_llama(model)
+    model = args.model.resolve() if args.model else work / "tiny-deepseek-v3"
+    if args.model is None and not (model / "config.json").exists():
+        print(f"smoke: writing a tiny random DeepSeek-V3 to {model}", flush=True)
+        verify_model.make_deepseek_v3(model, "cpu")
+    elif not (model / "config.json").is_file():
+        parser.error(f"--model {model}: no config.json there (a Hugging Face checkpoint dir)")
     dump = work / "dump"
     log = work / "server.log"
+    port = launch.free_port()
+    argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model),
+            "--host", "127.0.0.1", "--port", str(port), *launch.CPU_ARGS, *REQUIRED_ARGS,
+            *SERVER_ARGS]
     print(f"smoke: starting a CPU SGLang server (log: {log})", flush=True)
-    server = srv.start(model, log, args=SERVER_ARGS,
-                       env={"SGLANG_HS_DUMP_DIR": str(dump), "SGLANG_HS_DUMP_FINAL": "1"})
+    try:
+        server = launch.Server.launch(argv, server_env(dump), log, f"http://127.0.0.1:{port}",
+                                      timeout=900, what="the smoke's server")
+    except launch.ServerFailed as e:
+        print(f"smoke: {e}", file=sys.stderr)
+        return 1
     try:
         return subprocess.call([sys.executable, "-m", "hsdump_patch.cli", "smoke", "--server",
                                 server.url, "--dump-dir", str(dump), "--report",

@@ -81,7 +81,7 @@ def test_bad_configuration_stops_the_server_with_a_clear_message(
 def test_a_rank_without_the_capture_refuses_to_serve_dumps(tiny_models, tmp_path):
     """SGLang only logs a plugin that fails to load or apply in one scheduler, which would
     leave that rank silently without capture. Here TP rank 1 loads no plugin (the test-only
-    fault injection in tests/harness/cpu_shim): the first dumped request stops the server
+    fault injection in tests/harness/fault_shim): the first dumped request stops the server
     with a message naming the rank."""
     env = {"SGLANG_HS_DUMP_DIR": str(tmp_path / "dump"), "HSDUMP_TEST_NO_PLUGINS_ON_TP_RANK": "1"}
     s = srv.start(tiny_models / "tiny-llama", tmp_path / "server.log", env=env, tp=2)

@@ -1,9 +1,12 @@
 """The import contract (`make lint`, import-linter): capture and client side by side over the
 protocol, ops above them, nothing importing the tests. Checked on this tree, and shown to fail
-on a copy where a client module imports the capture or the package imports a test helper."""
+on a copy where a client module imports the capture or the package imports a test helper.
+Likewise no make target but the test runners uses the test suite (its commands, dry-run)."""
 
 from __future__ import annotations
 
+import ast
+import re
 import shutil
 import subprocess
 import sys
@@ -53,3 +56,50 @@ def test_a_wrong_arrow_breaks_the_lint(tmp_path, line, broken):
     verdicts = [x.rstrip() for x in proc.stdout.splitlines() if x.endswith(("KEPT", "BROKEN"))]
     assert [v for v in verdicts if v.endswith("BROKEN")] == [
         next(v for v in verdicts if v.startswith(broken))], proc.stdout
+
+
+# The targets whose job is the test suite (running or linting it).
+TEST_TARGETS = {"test", "ansible-test", "lint"}
+
+
+def _uses_of_tests(commands: str, root: Path) -> list[str]:
+    """What in these make commands reaches into tests/: a path under it, or a Python script
+    (run by path) that imports the ``tests`` package."""
+    found = [f"command: {line.strip()}" for line in commands.splitlines()
+             if re.search(r"(^|[\s=:/])tests/|-m\s+tests\.", line)]
+    for script in sorted(set(re.findall(r"(?:^|\s)(scripts/[\w./-]+\.py)", commands))):
+        for node in ast.walk(ast.parse((root / script).read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"{script} imports {n}" for n in names if n.split(".")[0] == "tests"]
+    return found
+
+
+def test_make_targets_do_not_use_the_tests():
+    out = subprocess.run(["make", "-s", "help"], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout
+    targets = [line.split()[0] for line in out.splitlines()]
+    assert {"smoke", "verify", "image", "disk"} <= set(targets), out
+    uses = {}
+    for target in sorted(set(targets) - TEST_TARGETS):
+        for variables in ([], ["VERIFY_GPU=1"]):  # verify: the CPU and the GPU branch
+            dry = subprocess.run(["make", "-n", target, *variables], cwd=ROOT,
+                                 capture_output=True, text=True, timeout=60)
+            assert dry.returncode == 0, dry.stderr
+            if found := _uses_of_tests(dry.stdout, ROOT):
+                uses[" ".join([target, *variables])] = found
+    assert not uses
+
+
+def test_a_target_that_reaches_into_the_tests_is_found(tmp_path):
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "run.py").write_text("import os\nfrom tests.harness import x\n")
+    (tmp_path / "scripts" / "fine.py").write_text("import testsuite, hsdump_patch.ops\n")
+    commands = (".venv/bin/python scripts/run.py --work .cache/x\n"
+                "PYTHONPATH=/repo/tests/harness/cpu_shim python -m hsdump_patch.cli verify\n"
+                ".venv/bin/python scripts/fine.py --out tests.json\n"
+                "python -m tests.harness.make_models out\n")
+    assert _uses_of_tests(commands, tmp_path) == [
+        "command: PYTHONPATH=/repo/tests/harness/cpu_shim python -m hsdump_patch.cli verify",
+        "command: python -m tests.harness.make_models out",
+        "scripts/run.py imports tests.harness"]

@@ -650,11 +650,12 @@ def check_refusals(settings: Settings, model: Path) -> list[Verdict]:
     from sglang.srt.server_args import ServerArgs
 
     from hsdump_patch.capture import guards
-    from hsdump_patch.ops.verify_server import free_port, plan_launch
+    from hsdump_patch.ops.launch import free_port
+    from hsdump_patch.ops.verify_server import plan_launch
 
-    launch = plan_launch(model, 1, free_port(), settings.work / "dump-refused",
-                         device=settings.device, extra=settings.production_extra)
-    base = launch.argv[launch.argv.index("sglang.launch_server") + 1:]
+    plan = plan_launch(model, 1, free_port(), settings.work / "dump-refused",
+                       device=settings.device, extra=settings.production_extra)
+    base = plan.argv[plan.argv.index("sglang.launch_server") + 1:]
     env_dir = os.environ.pop(ENV_DIR, None)  # resolve in-process without the plugin's hooks
     rows, verdicts = [], []
     try:

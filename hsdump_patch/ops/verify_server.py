@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import shutil
-import signal
-import socket
 import subprocess
 import threading
 import time
@@ -19,25 +16,14 @@ from typing import Any
 
 import requests
 
-from hsdump_patch.ops import serve
+from hsdump_patch.ops import launch, serve
 from hsdump_patch.protocol import ENV_DIR
 
-# What the CPU variant adds to the production profile: SGLang's CPU engine, a KV pool sized
-# for a small machine (the default takes 15 GB), and idle schedulers that do not busy-poll.
-CPU_SERVER_ARGS = ["--device", "cpu", "--max-total-tokens", "8192", "--sleep-on-idle"]
+# What the CPU variant adds to the production profile.
+CPU_SERVER_ARGS = list(launch.CPU_ARGS)
 # SGLang's own EAGLE-3 capture, the reference of check (a); both the dump-on and the dump-off
 # server run with it, so check (c) compares the dump and nothing else.
 AUX_ARGS = ["--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3"]
-
-
-class ServerFailed(RuntimeError):
-    """A verify server exited or did not become ready."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def plan_launch(model: Path, tp: int, port: int, dump_dir: Path, *, device: str,
@@ -56,15 +42,12 @@ def plan_launch(model: Path, tp: int, port: int, dump_dir: Path, *, device: str,
 
 
 @dataclass
-class VerifyServer:
+class VerifyServer(launch.Server):
     """One running server of a verify run."""
 
     name: str
     tp: int
     dump_dir: Path | None
-    log_path: Path
-    proc: subprocess.Popen
-    url: str
     argv: list[str]
     started_s: float = 0.0
     memory: GpuMemorySampler | None = None
@@ -74,47 +57,22 @@ class VerifyServer:
               device: str, extra: list[str], env: dict[str, str],
               timeout: float) -> VerifyServer:
         """Start a server with the dump on (into ``dump_root``) or off; wait for ``/ready``;
-        raise ServerFailed."""
-        port = free_port()
+        raise :class:`launch.ServerFailed` (the server stopped)."""
+        port = launch.free_port()
         dump_dir = dump_root / f"dump-{name}"
-        launch = plan_launch(model, tp, port, dump_dir, device=device, extra=extra)
-        full_env = {**launch.env, **env}
+        plan = plan_launch(model, tp, port, dump_dir, device=device, extra=extra)
+        full_env = {**plan.env, **env}
         if not dump:
             full_env.pop(ENV_DIR, None)
             dump_dir = None
         log_path = work / f"server-{name}.log"
         memory = GpuMemorySampler() if device == "cuda" else None
         t0 = time.monotonic()
-        with open(log_path, "w") as log:
-            proc = subprocess.Popen(launch.argv, stdout=log, stderr=subprocess.STDOUT,
-                                    env=full_env, start_new_session=True)
-        server = cls(name, tp, dump_dir, log_path, proc, f"http://127.0.0.1:{port}",
-                     launch.argv, memory=memory)
-        if memory is not None:
-            memory.start()
-        try:
-            server._wait_ready(timeout)
-        except BaseException:
-            server.stop()
-            raise
+        server = cls.launch(plan.argv, full_env, log_path, f"http://127.0.0.1:{port}",
+                            timeout=timeout, what=f"server {name}", name=name, tp=tp,
+                            dump_dir=dump_dir, argv=plan.argv, memory=memory)
         server.started_s = time.monotonic() - t0
         return server
-
-    def _wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise ServerFailed(f"server {self.name} exited with {self.proc.returncode}; "
-                                   f"log {self.log_path}:\n{self.log()[-4000:]}")
-            with contextlib.suppress(requests.RequestException):
-                if requests.get(f"{self.url}/ready", timeout=5).status_code == 200:
-                    return
-            time.sleep(0.5)
-        raise ServerFailed(f"server {self.name} not ready after {timeout:.0f} s; "
-                           f"log {self.log_path}:\n{self.log()[-4000:]}")
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
 
     def post(self, path: str, body: dict[str, Any], timeout: float = 600) -> Any:
         r = requests.post(f"{self.url}{path}", json=body, timeout=timeout)
@@ -153,16 +111,13 @@ class VerifyServer:
                 out[rank] = t.user + t.system
         return out
 
+    def __post_init__(self) -> None:
+        if self.memory is not None:  # from the moment the server process exists
+            self.memory.start()
+
     def stop(self) -> None:
-        """SIGTERM the server's process group, then SIGKILL what is left."""
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(30)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
+        """Stop the server's process group and the GPU memory sampler."""
+        super().stop()
         if self.memory is not None:
             self.memory.stop()
 
@@ -172,24 +127,12 @@ def run_refused(model: Path, work: Path, name: str, flags: list[str] | None, *, 
     """Launch the server ``hsdump serve`` would, with the dump on, changed by ``flags`` (later
     flags win; None: without --disable-radix-cache), expecting it to refuse at start-up;
     return (exit code, or None if it still ran after ``timeout`` s, and the log)."""
-    launch = plan_launch(model, 1, free_port(), work / f"dump-{name}", device=device,
-                         extra=extra)
-    argv = ([a for a in launch.argv if a != "--disable-radix-cache"] if flags is None
-            else [*launch.argv, *flags])
-    log_path = work / f"refused-{name}.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                env={**launch.env, **env}, start_new_session=True)
-    rc: int | None
-    try:
-        rc = proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        rc = None
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    return rc, log_path.read_text(errors="replace")
+    plan = plan_launch(model, 1, launch.free_port(), work / f"dump-{name}", device=device,
+                       extra=extra)
+    argv = ([a for a in plan.argv if a != "--disable-radix-cache"] if flags is None
+            else [*plan.argv, *flags])
+    return launch.run_until_exit(argv, {**plan.env, **env}, work / f"refused-{name}.log",
+                                 timeout=timeout)
 
 
 @dataclass

@@ -1,42 +1,44 @@
-"""Test-only: start and stop a real SGLang 0.5.23 server on CPU (with the CPU stand-ins)."""
+"""Test-only: real SGLang 0.5.23 servers on CPU, started, awaited and stopped by hsdump's own
+launcher (hsdump_patch/ops/launch.py), with the CPU stand-ins and the test-only fault injection
+on their path."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import requests
 
-CPU_SHIM = Path(__file__).resolve().parent / "cpu_shim"
+from hsdump_patch.ops import launch as _launch
+from hsdump_patch.ops.launch import free_port
+from hsdump_patch.ops.serve import REQUIRED_ARGS
+from hsdump_patch.protocol import ENV_DIR
+
+REPO = Path(__file__).resolve().parents[2]
+# The CPU stand-ins for SGLang (sgl_kernel, the CPU MLA fix), shared with `make smoke` and
+# `make verify`'s CPU variant; the fault injection (test-only) runs before them.
+CPU_SHIM = REPO / "scripts" / "cpu_shim"
+FAULT_SHIM = Path(__file__).resolve().parent / "fault_shim"
 # What every CPU test server needs.
-CPU_ARGS = ["--device", "cpu", "--max-total-tokens", "8192", "--host", "127.0.0.1",
-            # idle schedulers otherwise busy-poll a core each, starving the rest of the suite
-            "--sleep-on-idle"]
-# What the capture patch requires.
-EXTRACTION_ARGS = ["--cuda-graph-backend-prefill", "disabled", "--cuda-graph-backend-decode",
-                   "disabled", "--disable-radix-cache"]
+CPU_ARGS = [*_launch.CPU_ARGS, "--host", "127.0.0.1"]
+# What the capture patch requires (what `hsdump serve` always passes).
+EXTRACTION_ARGS = list(REQUIRED_ARGS)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["CPU_ARGS", "CPU_SHIM", "EXTRACTION_ARGS", "Server", "cpu_env", "free_port", "launch",
+           "run_until_exit", "start"]
 
 
 def cpu_env(extra: dict[str, str] | None = None, tp: int = 1) -> dict[str, str]:
-    """Environment for a CPU SGLang process: the stand-in for sgl_kernel on PYTHONPATH."""
+    """Environment for a CPU SGLang process: the CPU stand-ins (and the fault injection) on
+    PYTHONPATH."""
     env = dict(os.environ)
     env["SGLANG_USE_CPU_ENGINE"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CPU_SHIM), env.get("PYTHONPATH")) if p)
-    env.pop("SGLANG_HS_DUMP_DIR", None)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(FAULT_SHIM), str(CPU_SHIM), env.get("PYTHONPATH")) if p)
+    env.pop(ENV_DIR, None)
     # torch.compile's on-disk cache is not safe across concurrent processes (an importer can
     # read a half-written .so): one cache per test run, shared by its servers in sequence.
     env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(),
@@ -51,16 +53,10 @@ def cpu_env(extra: dict[str, str] | None = None, tp: int = 1) -> dict[str, str]:
 
 
 @dataclass
-class Server:
-    """A running ``python -m sglang.launch_server`` process."""
+class Server(_launch.Server):
+    """A running ``python -m sglang.launch_server`` process (its extra arguments in ``args``)."""
 
-    proc: subprocess.Popen
-    url: str
-    log_path: Path
     args: list[str] = field(default_factory=list)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
 
     def generate(self, input_ids: list[int], rid: str | None = None, max_new_tokens: int = 0,
                  **extra) -> dict:
@@ -72,64 +68,43 @@ class Server:
         r.raise_for_status()
         return r.json()
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(30)
-        _kill_group(self.proc)
 
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    """Kill whatever is left of a server's process group (spawned schedulers included)."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+def _argv(model: Path, args: list[str], tp: int, extraction_args: list[str],
+          python: str = sys.executable) -> list[str]:
+    return [python, "-m", "sglang.launch_server", "--model-path", str(model), *CPU_ARGS,
+            *extraction_args, "--tp-size", str(tp), *args]
 
 
 def launch(model: Path, log_path: Path, *, args: list[str] = (), env: dict[str, str] | None = None,
            tp: int = 1, extraction_args: list[str] = EXTRACTION_ARGS,
-           python: str = sys.executable) -> subprocess.Popen:
+           python: str = sys.executable):
     """Start a server process without waiting for it (see :func:`start`)."""
-    cmd = [python, "-m", "sglang.launch_server", "--model-path", str(model), *CPU_ARGS,
-           *extraction_args, "--tp-size", str(tp), *args]
-    log = open(log_path, "w")  # noqa: SIM115 - owned by the child process
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=cpu_env(env, tp),
-                            start_new_session=True)
+    return _launch.spawn(_argv(model, list(args), tp, extraction_args, python),
+                         cpu_env(env, tp), log_path)
 
 
 def start(model: Path, log_path: Path, *, args: list[str] = (), env: dict[str, str] | None = None,
           tp: int = 1, extraction_args: list[str] = EXTRACTION_ARGS,
           timeout: float = 900) -> Server:
-    """Start a server and wait until it answers ``/ready``; raise with its log on failure."""
+    """Start a server and wait until it answers ``/ready``; raise
+    :class:`~hsdump_patch.ops.launch.ServerFailed` with its log on failure (the server
+    stopped)."""
     port = free_port()
     full_args = ["--port", str(port), *args]
-    proc = launch(model, log_path, args=full_args, env=env, tp=tp,
-                  extraction_args=extraction_args)
-    server = Server(proc, f"http://127.0.0.1:{port}", log_path, full_args)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()[-6000:]}")
-        try:
-            if requests.get(f"{server.url}/ready", timeout=2).status_code == 200:
-                return server
-        except requests.RequestException:
-            pass
-        time.sleep(0.5)
-    server.stop()
-    raise RuntimeError(f"server not ready after {timeout}s:\n{server.log()[-6000:]}")
+    return Server.launch(_argv(model, full_args, tp, extraction_args), cpu_env(env, tp),
+                         log_path, f"http://127.0.0.1:{port}", timeout=timeout, args=full_args)
 
 
 def run_until_exit(model: Path, log_path: Path, *, args: list[str] = (),
                    env: dict[str, str] | None = None, tp: int = 1,
                    extraction_args: list[str] = EXTRACTION_ARGS,
                    timeout: float = 240) -> tuple[int, str]:
-    """Start a server expected to fail at start-up; return (exit code, log)."""
-    proc = launch(model, log_path, args=["--port", str(free_port()), *args], env=env, tp=tp,
-                  extraction_args=extraction_args)
-    try:
-        rc = proc.wait(timeout)
-    finally:
-        _kill_group(proc)
-    return rc, log_path.read_text(errors="replace")
+    """Start a server expected to fail at start-up; return (exit code, log); fail the test if it
+    still runs after ``timeout`` s."""
+    rc, log = _launch.run_until_exit(
+        _argv(model, ["--port", str(free_port()), *args], tp, extraction_args),
+        cpu_env(env, tp), log_path, timeout=timeout)
+    if rc is None:
+        raise AssertionError(f"the server still ran after {timeout} s; expected it to refuse "
+                             f"at start-up:\n{log[-6000:]}")
+    return rc, log

@@ -1,4 +1,5 @@
-"""Test-only import stand-in for the CUDA-only ``sgl_kernel`` wheel, so SGLang starts on CPU.
+"""Import stand-in for the CUDA-only ``sgl_kernel`` wheel, so SGLang 0.5.23 starts on CPU
+(``make smoke``, ``make verify``'s CPU variant, the tests); never in the image.
 
 With ``SGLANG_USE_CPU_ENGINE=1`` SGLang still imports a few names from ``sgl_kernel``; none is
 called on the CPU torch_native path. Every attribute or submodule resolves to a stub that
