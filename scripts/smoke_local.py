@@ -18,7 +18,7 @@ from hsdump_patch.ops.serve import REQUIRED_ARGS  # noqa: E402
 from hsdump_patch.protocol import ENV_DIR, ENV_FINAL  # noqa: E402
 
 # The CPU stand-ins SGLang 0.5.23 needs without a GPU (sgl_kernel, the CPU MLA fix).
-CPU_SHIM = REPO / "scripts" / "cpu_shim"
+CPU_SHIM = REPO / "tests" / "harness" / "cpu_shim"
 # Small prefill chunks, so the smoke's long prompt is dumped in several chunks.
 SERVER_ARGS = ["--chunked-prefill-size", "32"]
 

@@ -20,7 +20,7 @@ from hsdump_patch.protocol import ENV_DIR
 REPO = Path(__file__).resolve().parents[2]
 # The CPU stand-ins for SGLang (sgl_kernel, the CPU MLA fix), shared with `make smoke` and
 # `make verify`'s CPU variant; the fault injection (test-only) runs before them.
-CPU_SHIM = REPO / "scripts" / "cpu_shim"
+CPU_SHIM = REPO / "tests" / "harness" / "cpu_shim"
 FAULT_SHIM = Path(__file__).resolve().parent / "fault_shim"
 # What every CPU test server needs.
 CPU_ARGS = [*_launch.CPU_ARGS, "--host", "127.0.0.1"]

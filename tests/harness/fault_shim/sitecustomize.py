@@ -4,7 +4,7 @@ with ``HSDUMP_TEST_NO_PLUGINS_ON_TP_RANK=<r>``, the scheduler of TP rank r loads
 scheduler: SGLang only logs that, and the rank serves without capture.
 
 Python imports one ``sitecustomize``: this one (first on the test servers' PYTHONPATH) then runs
-the next one on the path, the CPU stand-ins' (scripts/cpu_shim/sitecustomize.py).
+the next one on the path, the CPU stand-ins' (tests/harness/cpu_shim/sitecustomize.py).
 """
 
 import functools
@@ -42,6 +42,6 @@ def _drop_plugins_on_one_rank(module):
 _cpu = _run_next_sitecustomize()
 if os.environ.get(_NO_PLUGINS_RANK):
     if _cpu is None or not hasattr(_cpu, "PatchAfterImport"):
-        raise RuntimeError(f"{_NO_PLUGINS_RANK} needs scripts/cpu_shim on PYTHONPATH")
+        raise RuntimeError(f"{_NO_PLUGINS_RANK} needs tests/harness/cpu_shim on PYTHONPATH")
     sys.meta_path.insert(0, _cpu.PatchAfterImport(
         {"sglang.srt.managers.scheduler": _drop_plugins_on_one_rank}))
