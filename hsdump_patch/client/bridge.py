@@ -1,4 +1,4 @@
-"""Prototype of ``hsdump bridge``: hsdump captures published into Mooncake for SpecForge's online
+"""``hsdump bridge``: hsdump captures published into Mooncake for SpecForge's online
 (disaggregated) training, under SpecForge's own key layout (design: docs/online.md).
 
 SpecForge 0.2.0's producer (``specforge/inference/adapters/server_capture.py``,
