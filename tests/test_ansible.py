@@ -472,7 +472,18 @@ done""",
 }
 
 
-def test_driver_role_installs_holds_and_gates_the_reboot(ansible, debian_host):
+@pytest.fixture
+def host_tools(debian_host) -> Iterator[None]:
+    """HOST_TOOLS in /usr/local/sbin (ahead of /usr/local/bin on PATH) for one test, removed
+    after it: a later test's own stand-ins (the CDI test's nvidia-smi) must not be shadowed."""
+    sbin = "/usr/local/sbin"
+    debian_host.sh("".join(f"printf '%s\\n' '#!/bin/sh' {shlex.quote(body)} > {sbin}/{name}; "
+                           f"chmod 755 {sbin}/{name}; " for name, body in HOST_TOOLS.items()))
+    yield
+    debian_host.sh("rm -f " + " ".join(f"{sbin}/{name}" for name in HOST_TOOLS), check=False)
+
+
+def test_driver_role_installs_holds_and_gates_the_reboot(ansible, debian_host, host_tools):
     """hsdump_driver on Debian: the DKMS flavour under Secure Boot stops the play before any
     install; --check is clean on the fresh host; Fabric Manager's packages come from NVIDIA's
     CUDA repository, which the role adds (cuda-keyring), Fabric Manager and NSCQ at the
@@ -485,9 +496,7 @@ def test_driver_role_installs_holds_and_gates_the_reboot(ansible, debian_host):
     fails after the bounded wait. Stand-ins: HOST_TOOLS, small Debian packages for the NVIDIA
     ones, and files for the running module's version and /sys/module (a container cannot
     write them)."""
-    tools = "".join(f"printf '%s\\n' '#!/bin/sh' {shlex.quote(body)} > /usr/local/sbin/{name}; "
-                    f"chmod 755 /usr/local/sbin/{name}; " for name, body in HOST_TOOLS.items())
-    debian_host.sh(tools + f"echo 575.57.08 > {LOADED}; echo 575.57.08 > {NEXT_LOADED}; "
+    debian_host.sh(f"echo 575.57.08 > {LOADED}; echo 575.57.08 > {NEXT_LOADED}; "
                    f"echo boot-1 > {BOOT_ID}; printf 'In Progress\\nIn Progress\\nCompleted\\n' "
                    f"> {FABRIC_STATES}; touch /run/hsdump-test-no-mlx5_ib")
     debian_host.sh(CUDA_STANDIN)
