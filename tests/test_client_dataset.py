@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hsdump_patch.client.dataset import (
+from hsdump_patch.client.rows.dataset import (
     ChatRenderer,
     SampleError,
     Shard,
@@ -186,8 +186,8 @@ QWEN3_STYLE = (  # keeps reasoning only after the last user query, like Qwen3's 
 
 
 def test_a_template_dropping_past_reasoning_gives_serving_time_samples(tok_dir):
-    from hsdump_patch.client.conversation import ChatRenderer as Renderer
-    from hsdump_patch.client.conversation import ThinkMarkers, parse_conversation
+    from hsdump_patch.client.rows.conversation import ChatRenderer as Renderer
+    from hsdump_patch.client.rows.conversation import ThinkMarkers, parse_conversation
 
     tok = fresh_tokenizer(tok_dir)
     tok.chat_template = QWEN3_STYLE
@@ -216,6 +216,6 @@ def test_a_template_dropping_past_reasoning_gives_serving_time_samples(tok_dir):
 
 
 def test_think_markers_come_from_sglangs_reasoning_parser(sglang_available):
-    from hsdump_patch.client.conversation import ThinkMarkers
+    from hsdump_patch.client.rows.conversation import ThinkMarkers
 
     assert ThinkMarkers.from_reasoning_parser("kimi_k2") == ThinkMarkers("<think>", "</think>")

@@ -24,8 +24,8 @@ import torch
 
 from hsdump_patch import protocol
 from hsdump_patch.cli import main as cli
-from hsdump_patch.client import records
-from hsdump_patch.client.assemble import wait_for_marker
+from hsdump_patch.client.dumps.dumpdir import wait_for_marker
+from hsdump_patch.client.output import records
 from tests.harness import server as srv
 from tests.test_client_dataset import CONV, openai_row, reference, sharegpt_row, write_jsonl
 

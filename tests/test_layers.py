@@ -48,7 +48,7 @@ def test_the_tree_keeps_the_contracts():
 ], ids=["client-imports-capture", "protocol-imports-client", "package-imports-tests"])
 def test_a_wrong_arrow_breaks_the_lint(tmp_path, line, broken):
     tree = _copy(tmp_path)
-    target = "protocol.py" if "client import" in line else "client/mask.py"
+    target = "protocol.py" if "client import" in line else "client/rows/mask.py"
     path = tree / "hsdump_patch" / target
     path.write_text(path.read_text() + f"\n{line}  # noqa\n")
     proc = _lint(tree)

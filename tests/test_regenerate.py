@@ -20,8 +20,7 @@ import pytest
 import requests
 
 from hsdump_patch.cli import main as cli
-from hsdump_patch.client.conversation import ThinkMarkers, decode, prompt_ids
-from hsdump_patch.client.regen_plan import plan_row
+from hsdump_patch.client.output.rowlog import RowLog
 from hsdump_patch.client.regenerate import (
     ROW_FIELD,
     SERVER_DEFAULTS,
@@ -30,7 +29,8 @@ from hsdump_patch.client.regenerate import (
     Settings,
     split_reasoning,
 )
-from hsdump_patch.client.rowlog import RowLog
+from hsdump_patch.client.rows.conversation import ThinkMarkers, decode, prompt_ids
+from hsdump_patch.client.rows.regen_plan import plan_row
 from hsdump_patch.reader import iter_records
 from tests.conftest import start_dump_server
 from tests.harness import server as srv

@@ -25,14 +25,19 @@ from typing import Any
 import requests
 
 from hsdump_patch import protocol
-from hsdump_patch.client import assemble, buffers, options, records, runner
-from hsdump_patch.client.conversation import (
+from hsdump_patch.client import buffers, options, runner
+from hsdump_patch.client.dumps import dumpdir
+from hsdump_patch.client.options import MAX_BACKOFF, RunSettings
+from hsdump_patch.client.output import records
+from hsdump_patch.client.output.manifest import Manifest, load_done, remove_stale_temps
+from hsdump_patch.client.output.report import Report, RunReport, print_summary
+from hsdump_patch.client.rows.conversation import (
     POLICIES,
     ChatRenderer,
     ConversationError,
     chat_renderer,
 )
-from hsdump_patch.client.dataset import (
+from hsdump_patch.client.rows.dataset import (
     RowRef,
     Sample,
     SampleError,
@@ -40,11 +45,8 @@ from hsdump_patch.client.dataset import (
     index_dataset,
     iter_samples,
 )
-from hsdump_patch.client.manifest import Manifest, load_done, remove_stale_temps
-from hsdump_patch.client.mask import LOSS_MASKS, apply_convention
-from hsdump_patch.client.options import MAX_BACKOFF, RunSettings
-from hsdump_patch.client.report import Report, RunReport, print_summary
-from hsdump_patch.client.served import ServedPrompts, ServerDown, follow_chat_template
+from hsdump_patch.client.rows.mask import LOSS_MASKS, apply_convention
+from hsdump_patch.client.server.served import ServedPrompts, ServerDown, follow_chat_template
 from hsdump_patch.protocol import (
     DEFAULT_DUMP_DIR,
     DEFAULT_RID_PREFIX,
@@ -81,7 +83,7 @@ class Settings(RunSettings):
     min_free_bytes: int = parse_size(DEFAULT_MIN_FREE, "")
     compress: bool = False
     allow_no_final: bool = False
-    loss_mask: str = "completion"  # a convention of hsdump_patch.client.mask
+    loss_mask: str = "completion"  # a convention of hsdump_patch.client.rows.mask
 
 
 # ------------------------------------------------------------------------------ HTTP
@@ -275,15 +277,15 @@ class Extraction:
         and ``_send`` comes back here after a pause.
         """
         if protocol.rid_dir(self.s.dump_dir, rid).exists():
-            assemble.wait_until_settled(self.s.dump_dir, rid, STALE_QUIET_S, self.s.dump_timeout)
-            assemble.remove_request(self.s.dump_dir, rid)
+            dumpdir.wait_until_settled(self.s.dump_dir, rid, STALE_QUIET_S, self.s.dump_timeout)
+            dumpdir.remove_request(self.s.dump_dir, rid)
 
     def _abort(self, rid: str) -> None:
         """Abort a request the client gave up on; remove its directory once the server has
         stopped writing to it (an aborted request gets no marker: it stays quiet)."""
         self.client.abort(rid)
         _wait_quiet(protocol.rid_dir(self.s.dump_dir, rid), STALE_QUIET_S, self.s.dump_timeout)
-        assemble.remove_request(self.s.dump_dir, rid)
+        dumpdir.remove_request(self.s.dump_dir, rid)
 
     def _send(self, rid: str, input_ids: list[int]) -> dict[str, Any]:
         """Send the request. Every attempt starts from an empty directory: an attempt cut short
@@ -309,7 +311,7 @@ class Extraction:
         try:
             return self._process(sample)
         except BaseException:
-            assemble.remove_request(self.s.dump_dir, self.rid(sample.id))
+            dumpdir.remove_request(self.s.dump_dir, self.rid(sample.id))
             raise
 
     def _process(self, sample: Sample) -> Done:
@@ -322,7 +324,7 @@ class Extraction:
                                "(aborted on the server)") from None
         problem = check_meta(meta, len(sample.input_ids))
         if problem is None:
-            status = assemble.wait_for_marker(dump, rid, self.s.dump_timeout)
+            status = dumpdir.wait_for_marker(dump, rid, self.s.dump_timeout)
             if status is None:
                 problem = (
                     f"no done/error marker in {protocol.rid_dir(dump, rid)} within "
@@ -336,7 +338,7 @@ class Extraction:
         else:
             self._clear_stale(rid)
         if problem is not None:
-            assemble.remove_request(dump, rid)
+            dumpdir.remove_request(dump, rid)
             raise SampleFailed(problem)
         return self.write_record(sample)
 
@@ -347,11 +349,11 @@ class Extraction:
         with self._record_bufs.lend(records.RecordBuilder.nbytes(length, self.info)) as buf:
             try:
                 builder = records.RecordBuilder(self.s.fmt, length, self.info, buf)
-                chunks = assemble.read_request(dump, rid, sample.input_ids, self.info, builder,
+                chunks = dumpdir.read_request(dump, rid, sample.input_ids, self.info, builder,
                                                self._chunk_bufs)
             except protocol.ProtocolError as e:
                 raise SampleFailed(f"invalid dump: {e}") from None
-            assemble.remove_request(dump, rid)
+            dumpdir.remove_request(dump, rid)
             name = records.record_name(sample.id, self.s.fmt, self.s.compress)
             mask = apply_convention(sample.loss_mask, self.s.loss_mask)
             try:
@@ -376,7 +378,7 @@ class Extraction:
         """With nothing in flight, wait (up to --dump-timeout) for room in the dump dir."""
         deadline = time.monotonic() + self.s.dump_timeout
         while True:
-            free = assemble.dump_free_bytes(self.s.dump_dir)
+            free = dumpdir.dump_free_bytes(self.s.dump_dir)
             if free - need >= self.s.min_free_bytes:
                 return
             if time.monotonic() > deadline:
@@ -397,7 +399,7 @@ class Extraction:
             if rid is None:
                 continue
             if protocol.request_status(self.s.dump_dir, rid).finished:
-                assemble.remove_request(self.s.dump_dir, rid)
+                dumpdir.remove_request(self.s.dump_dir, rid)
             else:
                 unfinished += 1
         return unfinished
@@ -443,7 +445,7 @@ class _ExtractJob(runner.Job[Sample, Done]):
         s = self.extraction.s
         if inflight + need > s.max_inflight_bytes:
             return False
-        return assemble.dump_free_bytes(s.dump_dir) - need >= s.min_free_bytes
+        return dumpdir.dump_free_bytes(s.dump_dir) - need >= s.min_free_bytes
 
     def wait_for_room(self, need: int, report: RunReport) -> bool:
         self.extraction._wait_for_space(need, self.report)

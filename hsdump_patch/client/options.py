@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hsdump_patch.client.dataset import Shard
+from hsdump_patch.client.rows.dataset import Shard
 
 DEFAULT_SERVER = "http://127.0.0.1:30000"
 DEFAULT_REQUEST_TIMEOUT = 3600.0

@@ -25,19 +25,20 @@ from typing import Any
 
 from hsdump_patch import protocol
 from hsdump_patch.client import extract as ex
-from hsdump_patch.client import options, rows, runner
-from hsdump_patch.client.conversation import ConversationError, ThinkMarkers, decode
-from hsdump_patch.client.dataset import SampleError, Shard, index_dataset, read_row
+from hsdump_patch.client import options, runner
 from hsdump_patch.client.options import RunSettings
-from hsdump_patch.client.regen_plan import AGENT_POLICIES, DEFAULT_AGENT_POLICY, Plan, plan_row
-from hsdump_patch.client.report import (
+from hsdump_patch.client.output.report import (
     EXIT_STOPPED,
     RunReport,
     format_table,
     print_issues,
 )
-from hsdump_patch.client.rowlog import RowLog
-from hsdump_patch.client.served import follow_chat_template, request_messages
+from hsdump_patch.client.output.rowlog import RowLog
+from hsdump_patch.client.rows import schema as rows
+from hsdump_patch.client.rows.conversation import ConversationError, ThinkMarkers, decode
+from hsdump_patch.client.rows.dataset import SampleError, Shard, index_dataset, read_row
+from hsdump_patch.client.rows.regen_plan import AGENT_POLICIES, DEFAULT_AGENT_POLICY, Plan, plan_row
+from hsdump_patch.client.server.served import follow_chat_template, request_messages
 
 DEFAULT_MAX_NEW_TOKENS = 4096
 DEFAULT_CONCURRENCY = 32

@@ -23,12 +23,12 @@ import torch
 
 from hsdump_patch import protocol
 from hsdump_patch.client import extract as ex
-from hsdump_patch.client import records
 from hsdump_patch.client import regenerate as rg
-from hsdump_patch.client.conversation import prompt_ids
-from hsdump_patch.client.dataset import ChatRenderer, Sample, index_dataset, iter_samples
-from hsdump_patch.client.manifest import load_done
-from hsdump_patch.client.rows import REGENERATED, TOKEN_IDS
+from hsdump_patch.client.output import records
+from hsdump_patch.client.output.manifest import load_done
+from hsdump_patch.client.rows.conversation import prompt_ids
+from hsdump_patch.client.rows.dataset import ChatRenderer, Sample, index_dataset, iter_samples
+from hsdump_patch.client.rows.schema import REGENERATED, TOKEN_IDS
 
 DEFAULT_REPORT = "hsdump-smoke-report.json"
 _LONG = " ".join([

@@ -9,7 +9,7 @@ Accepted row shapes (one JSON object per line, blank lines ignored):
 ``id`` is optional (the 1-based line number is used instead). Chat rows (also with
 ``tool_calls``, ``tool`` messages, ``reasoning_content``, list-of-parts content, a row-level
 ``tools`` list and ``system``) are turned into serving-faithful samples by
-:mod:`hsdump_patch.client.conversation`; a row may give several samples (multi-turn policy).
+:mod:`hsdump_patch.client.rows.conversation`; a row may give several samples (multi-turn policy).
 """
 
 from __future__ import annotations
@@ -21,8 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from hsdump_patch.client.conversation import ChatRenderer, ConversationError, parse_conversation
-from hsdump_patch.client.served import ServerDown
+from hsdump_patch.client.rows.conversation import (
+    ChatRenderer,
+    ConversationError,
+    parse_conversation,
+)
+from hsdump_patch.client.server.served import ServerDown
 
 MAX_ID_CHARS = 200  # the id becomes a file name (percent-encoded)
 

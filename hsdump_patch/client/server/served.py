@@ -13,7 +13,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from hsdump_patch.client.conversation import MESSAGE_FIELDS, Conversation, ConversationError
+from hsdump_patch.client.rows.conversation import MESSAGE_FIELDS, Conversation, ConversationError
 
 # A server call: (messages, tools, chat_template_kwargs) -> the prompt ids it serves.
 Tokenize = Callable[[list[dict[str, Any]], "list[dict[str, Any]] | None",

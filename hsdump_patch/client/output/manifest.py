@@ -13,8 +13,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from hsdump_patch.client.applog import exclusive_lock, truncate_torn_line
-from hsdump_patch.client.dataset import Shard
+from hsdump_patch.client.output.jsonl import exclusive_lock, truncate_torn_line
+from hsdump_patch.client.rows.dataset import Shard
 from hsdump_patch.reader import manifest_entries
 
 

@@ -221,7 +221,7 @@ def sidecar(fmt: str, info: protocol.ServerInfo, *, tokenizer: str | None,
         "tokenizer": tokenizer,
         "trust_remote_code": trust_remote_code,
         "max_len": max_len,
-        "loss_mask_convention": loss_mask,  # hsdump_patch.client.mask
+        "loss_mask_convention": loss_mask,  # hsdump_patch.client.rows.mask
         "chat_template_kwargs": chat_template_kwargs,
     }
 

@@ -22,7 +22,7 @@ import torch
 
 from hsdump_patch import protocol
 from hsdump_patch.client.buffers import BufferPool, tensor_at
-from hsdump_patch.client.records import RecordBuilder, torch_dtype
+from hsdump_patch.client.output.records import RecordBuilder, torch_dtype
 
 
 def wait_for_marker(dump_dir: Path, rid: str, timeout: float) -> protocol.RequestStatus | None:

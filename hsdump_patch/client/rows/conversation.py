@@ -30,7 +30,7 @@ from typing import Any
 
 import jinja2
 
-from hsdump_patch.client import rows
+from hsdump_patch.client.rows import schema as rows
 
 POLICIES = ("auto", "per-turn", "last")
 # ShareGPT speaker names -> chat-template roles.
