@@ -121,8 +121,8 @@ def main() -> int:
         info = protocol.read_server_info(dump)
         warm = [{**rows[0], "id": "warm"}]
         json_path(server.url, warm, info, work / "warm-json", 1)
-        settings = ex.Settings(server=server.url, dump_dir=dump, out=work / "hsdump",
-                               concurrency=args.concurrency, progress=False)
+        settings = ex.ExtractSettings(server=server.url, dump_dir=dump, out=work / "hsdump",
+                                      concurrency=args.concurrency, progress=False)
         ex.extract(settings, dataset, shard=Shard())
         settings.out = work / "hsdump-run"
         rep = ex.extract(settings, dataset, shard=Shard())

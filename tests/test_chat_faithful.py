@@ -449,7 +449,7 @@ def test_follow_chat_template(tmp_path):
     it); a built-in name or an unreadable file is refused with what to do."""
     from types import SimpleNamespace
 
-    from hsdump_patch.client.server.served import follow_chat_template
+    from hsdump_patch.client.server.tokenizer import follow_chat_template
 
     tok = SimpleNamespace(chat_template="own")
     assert follow_chat_template(tok, {"chat_template": None}) is None and tok.chat_template == "own"
@@ -469,8 +469,9 @@ def test_a_prompt_the_server_would_not_serve_is_refused(qwen3_style_server):
     prompt differs from the server's: the turn is refused, naming where, never written."""
     from transformers import AutoTokenizer
 
-    from hsdump_patch.client.extract import ServerClient
-    from hsdump_patch.client.server.served import ServedPrompts, follow_chat_template
+    from hsdump_patch.client.server.api import ServerClient
+    from hsdump_patch.client.server.served import ServedPrompts
+    from hsdump_patch.client.server.tokenizer import follow_chat_template
 
     tok = AutoTokenizer.from_pretrained(qwen3_style_server.model)
     client = ServerClient(qwen3_style_server.url, request_timeout=60, retries=0, retry_wait=1)

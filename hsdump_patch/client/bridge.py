@@ -36,16 +36,17 @@ import requests
 import torch
 
 from hsdump_patch import protocol
-from hsdump_patch.client.buffers import BufferPool
+from hsdump_patch.client.buffers import BufferPool, torch_dtype
 from hsdump_patch.client.dumps.dumpdir import (
     read_request,
     remove_request,
     wait_for_marker,
     wait_until_settled,
 )
-from hsdump_patch.client.extract import DEFAULT_DUMP_TIMEOUT, check_meta
+from hsdump_patch.client.extract import DEFAULT_DUMP_TIMEOUT
 from hsdump_patch.client.options import DEFAULT_SERVER
-from hsdump_patch.client.output.records import RecordBuilder, torch_dtype
+from hsdump_patch.client.output.records import RecordBuilder
+from hsdump_patch.client.server.api import check_meta
 
 # The server's generic artifacts (SpecForge's ServerCaptureSchema aux / last_hidden_feature).
 ARTIFACTS = ("aux", "last_hidden")

@@ -15,9 +15,8 @@ import copy
 import errno
 import os
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,14 +26,13 @@ import requests
 from hsdump_patch import protocol
 from hsdump_patch.client import buffers, options, runner
 from hsdump_patch.client.dumps import dumpdir
-from hsdump_patch.client.options import MAX_BACKOFF, RunSettings
+from hsdump_patch.client.options import RunSettings
 from hsdump_patch.client.output import records
 from hsdump_patch.client.output.manifest import Manifest, load_done, remove_stale_temps
-from hsdump_patch.client.output.report import Report, RunReport, print_summary
+from hsdump_patch.client.output.report import ExtractReport, RunReport, print_summary
 from hsdump_patch.client.rows.conversation import (
     POLICIES,
     ChatRenderer,
-    ConversationError,
     chat_renderer,
 )
 from hsdump_patch.client.rows.dataset import (
@@ -46,7 +44,15 @@ from hsdump_patch.client.rows.dataset import (
     iter_samples,
 )
 from hsdump_patch.client.rows.mask import LOSS_MASKS, apply_convention
-from hsdump_patch.client.server.served import ServedPrompts, ServerDown, follow_chat_template
+from hsdump_patch.client.server.api import (
+    DuplicateRid,
+    Refused,
+    ServerClient,
+    ServerDown,
+    check_meta,
+)
+from hsdump_patch.client.server.served import ServedPrompts
+from hsdump_patch.client.server.tokenizer import follow_chat_template, load_tokenizer
 from hsdump_patch.protocol import (
     DEFAULT_DUMP_DIR,
     DEFAULT_RID_PREFIX,
@@ -67,12 +73,8 @@ class SampleFailed(RuntimeError):
     """One sample could not be extracted; the message says why."""
 
 
-class _DuplicateRid(RuntimeError):
-    """The server still runs a request with this rid (from a killed earlier run)."""
-
-
 @dataclass(kw_only=True)
-class Settings(RunSettings):
+class ExtractSettings(RunSettings):
     """Everything an extraction run needs besides the samples."""
 
     dump_dir: Path
@@ -84,130 +86,6 @@ class Settings(RunSettings):
     compress: bool = False
     allow_no_final: bool = False
     loss_mask: str = "completion"  # a convention of hsdump_patch.client.rows.mask
-
-
-# ------------------------------------------------------------------------------ HTTP
-
-
-class ServerClient:
-    """``/generate`` and ``/model_info`` with retries and backoff on connection errors."""
-
-    def __init__(self, url: str, *, request_timeout: float, retries: int,
-                 retry_wait: float) -> None:
-        self.url = url.rstrip("/")
-        self.request_timeout = request_timeout
-        self.retries = retries
-        self.retry_wait = retry_wait
-        self._local = threading.local()
-
-    def _session(self) -> requests.Session:
-        if not hasattr(self._local, "session"):
-            self._local.session = requests.Session()
-        return self._local.session
-
-    def _request(self, method: str, path: str, *,
-                 before_attempt: Callable[[], None] | None = None,
-                 **kw: Any) -> requests.Response:
-        """Send, re-sending after connection errors; ``before_attempt`` runs before each try."""
-        t0 = time.monotonic()
-        for attempt in range(self.retries + 1):
-            if before_attempt is not None:
-                before_attempt()
-            try:
-                return self._session().request(method, self.url + path, **kw)
-            except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError) as e:
-                last = e
-            if attempt < self.retries:
-                time.sleep(min(self.retry_wait * 2**attempt, MAX_BACKOFF))
-        raise ServerDown(
-            f"the server at {self.url} is unreachable: {self.retries + 1} attempts over "
-            f"{time.monotonic() - t0:.1f}s failed (last: {type(last).__name__}: {last}); check "
-            "that it is running and that --server is right (raise --retries to wait longer)")
-
-    def model_info(self) -> dict[str, Any]:
-        """The server's ``/model_info`` (model and tokenizer paths)."""
-        r = self._request("GET", "/model_info", timeout=30)
-        r.raise_for_status()
-        return r.json()
-
-    def server_args(self) -> dict[str, Any]:
-        """The server's resolved launch arguments (``/server_info``, older ``/get_server_info``);
-        empty when neither answers."""
-        for path in ("/server_info", "/get_server_info"):
-            r = self._request("GET", path, timeout=30)
-            if r.status_code == 200:
-                return r.json()
-        return {}
-
-    def tokenize_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                      template_kwargs: dict[str, Any] | None) -> list[int]:
-        """The prompt ids the server serves for a chat request of ``messages`` (SGLang's
-        ``/v1/tokenize``: its chat rendering with the generation prompt, no forward)."""
-        body: dict[str, Any] = {"messages": messages}
-        if tools:
-            body["tools"] = tools
-        if template_kwargs:
-            body["chat_template_kwargs"] = template_kwargs
-        return self.post_json("/v1/tokenize", body, ConversationError, lambda r: (
-            "the server could not render this row's chat request (/v1/tokenize answered HTTP "
-            f"{r.status_code}: {r.text[:300]})"))["tokens"]
-
-    def post_json(self, path: str, body: dict[str, Any], error: type[Exception],
-                  refused: Callable[[requests.Response], str | None] | None = None) -> Any:
-        """POST ``body`` (re-sent after connection errors) and return the JSON answer. No
-        answer within --request-timeout, or an answer other than 200, raises ``error``: for
-        the latter with ``refused(response)`` as the message when it gives one, else the
-        status and text."""
-        try:
-            r = self._request("POST", path, json=body, timeout=self.request_timeout)
-        except requests.Timeout:
-            raise error(f"no answer from the server's {path} within --request-timeout "
-                        f"{self.request_timeout:g}s") from None
-        if r.status_code != 200:
-            raise error((refused and refused(r))
-                        or f"{path} answered HTTP {r.status_code}: {r.text[:500]}")
-        return r.json()
-
-    def generate(self, rid: str, input_ids: list[int], *,
-                 before_attempt: Callable[[], None] | None = None) -> dict[str, Any]:
-        """Run a prefill-only request; return its ``meta_info``. ``before_attempt`` runs before
-        the first send and before every re-send after a connection error."""
-        body = {"rid": rid, "input_ids": input_ids,
-                "sampling_params": {"max_new_tokens": 0, "temperature": 0}}
-        r = self._request("POST", "/generate", json=body, timeout=self.request_timeout,
-                          before_attempt=before_attempt)
-        if r.status_code != 200:
-            text = r.text[:500]
-            if "Duplicate request ID" in text:
-                raise _DuplicateRid(text)
-            raise SampleFailed(f"the server answered HTTP {r.status_code}: {text}")
-        return r.json().get("meta_info", {})
-
-    def abort(self, rid: str) -> bool:
-        """Ask the server to abort ``rid`` (SGLang's ``/abort_request``; it aborts every rid
-        that starts with this one); False when the server did not take it."""
-        try:
-            r = self._session().post(self.url + "/abort_request", json={"rid": rid}, timeout=30)
-        except requests.RequestException:
-            return False  # unreachable: a server that is down runs nothing
-        return r.status_code == 200
-
-
-def check_meta(meta: dict[str, Any], sent: int) -> str | None:
-    """Return why a ``/generate`` answer shows the dump cannot be complete, or None."""
-    finish = meta.get("finish_reason")
-    if isinstance(finish, dict) and finish.get("type") == "abort":
-        return f"the server aborted the request: {finish.get('message')}"
-    if meta.get("prompt_tokens") != sent:
-        return (f"the server counted prompt_tokens={meta.get('prompt_tokens')} but {sent} token "
-                "ids were sent (was the prompt truncated? check the server's --context-length)")
-    cached = meta.get("cached_tokens")
-    if cached != 0:
-        return (f"the server reused cached_tokens={cached} prompt tokens from its radix cache; "
-                "those tokens were not recomputed, so they have no hidden states. Start the "
-                "server with --disable-radix-cache (the capture patch refuses to run without it, "
-                "so this server is probably not the one writing to --dump-dir)")
-    return None
 
 
 # ------------------------------------------------------------------------------ one sample
@@ -254,7 +132,7 @@ _FATAL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
 class Extraction:
     """One run: samples in, records out (see the module docstring)."""
 
-    def __init__(self, settings: Settings, info: protocol.ServerInfo, client: ServerClient,
+    def __init__(self, settings: ExtractSettings, info: protocol.ServerInfo, client: ServerClient,
                  run_id: str) -> None:
         self.s = settings
         self.info = info
@@ -297,7 +175,9 @@ class Extraction:
             try:
                 return self.client.generate(rid, input_ids,
                                             before_attempt=lambda: self._clear_stale(rid))
-            except _DuplicateRid:
+            except Refused as e:
+                raise SampleFailed(str(e)) from None
+            except DuplicateRid:
                 if time.monotonic() > deadline:
                     raise SampleFailed(
                         f"the server kept running an older request with rid {rid} for "
@@ -369,12 +249,12 @@ class Extraction:
     # -------------------------------------------------------------------------- the run
 
     def run(self, items: Iterable[Sample | SampleError], total: int, manifest: Manifest,
-            report: Report) -> Report:
+            report: ExtractReport) -> ExtractReport:
         """Process ``items`` (samples or the errors of bad rows); fill and return ``report``."""
         runner.run(items, total, _ExtractJob(self, manifest, report), report, self.s)
         return report
 
-    def _wait_for_space(self, need: int, report: Report) -> None:
+    def _wait_for_space(self, need: int, report: ExtractReport) -> None:
         """With nothing in flight, wait (up to --dump-timeout) for room in the dump dir."""
         deadline = time.monotonic() + self.s.dump_timeout
         while True:
@@ -411,7 +291,7 @@ class _ExtractJob(runner.Job[Sample, Done]):
 
     unit = "sample"
 
-    def __init__(self, extraction: Extraction, manifest: Manifest, report: Report) -> None:
+    def __init__(self, extraction: Extraction, manifest: Manifest, report: ExtractReport) -> None:
         self.extraction, self.manifest, self.report = extraction, manifest, report
 
     def process(self, item: Sample) -> Done:
@@ -455,8 +335,8 @@ class _ExtractJob(runner.Job[Sample, Done]):
 # ------------------------------------------------------------------------------ set-up
 
 
-def connect(settings: Settings, rid_prefix: str | None) -> tuple[ServerClient, dict[str, Any],
-                                                                  protocol.ServerInfo]:
+def connect(settings: ExtractSettings,
+            rid_prefix: str | None) -> tuple[ServerClient, dict[str, Any], protocol.ServerInfo]:
     """Reach the server and read its ``server.json``; raise on any mismatch between them."""
     client = ServerClient(settings.server, request_timeout=settings.request_timeout,
                           retries=settings.retries, retry_wait=settings.retry_wait)
@@ -480,28 +360,12 @@ def connect(settings: Settings, rid_prefix: str | None) -> tuple[ServerClient, d
     return client, model_info, info
 
 
-def load_tokenizer(model: str, trust_remote_code: bool) -> Any:
-    """The model's own tokenizer (and chat template); custom code runs only when trusted (the
-    ``--trust-remote-code`` flag, or a server that runs with it)."""
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code)
-    except ValueError as e:
-        if trust_remote_code or "trust_remote_code" not in str(e):
-            raise
-        raise ValueError(
-            f"the tokenizer of {model} needs its own code (custom code in the model dir), and "
-            "neither this client nor the server was told to trust it: add --trust-remote-code "
-            "to the hsdump command (the server needs --trust-remote-code too)") from None
-
-
-def extract(settings: Settings, dataset: Path, *, shard: Shard | None = None,
+def extract(settings: ExtractSettings, dataset: Path, *, shard: Shard | None = None,
             model: str | None = None, max_len: int | None = None, rid_prefix: str | None = None,
             trust_remote_code: bool = False, multi_turn: str = "auto",
             reasoning_parser: str | None = None,
             chat_template_kwargs: dict[str, Any] | None = None,
-            prompt_check: str = "server") -> Report:
+            prompt_check: str = "server") -> ExtractReport:
     """Run one extraction; return its report."""
     shard = shard or Shard()
     client, model_info, info = connect(settings, rid_prefix)
@@ -525,7 +389,7 @@ def extract(settings: Settings, dataset: Path, *, shard: Shard | None = None,
         trust_remote_code=trust, loss_mask=settings.loss_mask,
         chat_template_kwargs=chat_template_kwargs))
 
-    report = Report(shard=str(shard), fmt=settings.fmt, out=str(settings.out),
+    report = ExtractReport(shard=str(shard), fmt=settings.fmt, out=str(settings.out),
                     dataset=str(dataset), server=settings.server)
     run = Extraction(settings, info, client, run_id)
     with Manifest(settings.out, shard) as manifest:
@@ -638,15 +502,15 @@ def add_parser(subparsers: Any) -> None:
     p.set_defaults(func=main)
 
 
-def settings_from_args(args: argparse.Namespace, out: Path, **overrides: Any) -> Settings:
-    """Build Settings from parsed flags (``overrides`` win)."""
+def settings_from_args(args: argparse.Namespace, out: Path, **overrides: Any) -> ExtractSettings:
+    """Build ExtractSettings from parsed flags (``overrides`` win)."""
     values: dict[str, Any] = {
         **options.server_settings(args), "dump_dir": args.dump_dir, "out": out,
         "fmt": args.fmt, "dump_timeout": args.dump_timeout, "compress": args.compress,
         "allow_no_final": args.allow_no_final,
     }
     values.update(overrides)
-    return Settings(**values)
+    return ExtractSettings(**values)
 
 
 def main(args: argparse.Namespace) -> int:

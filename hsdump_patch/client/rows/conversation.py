@@ -45,6 +45,11 @@ CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 _PROBE = [{"role": "user", "content": "x"}]
 
 
+class RenderCheckDown(RuntimeError):
+    """The check a renderer consults (the server's own prompt ids) cannot answer: the row is
+    not at fault, and the run cannot go on."""
+
+
 class ConversationError(ValueError):
     """A conversation cannot be turned into samples; the message says what and how to fix it."""
 

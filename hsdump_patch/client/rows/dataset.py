@@ -24,9 +24,9 @@ from typing import Any, BinaryIO
 from hsdump_patch.client.rows.conversation import (
     ChatRenderer,
     ConversationError,
+    RenderCheckDown,
     parse_conversation,
 )
-from hsdump_patch.client.server.served import ServerDown
 
 MAX_ID_CHARS = 200  # the id becomes a file name (percent-encoded)
 
@@ -200,7 +200,7 @@ def _chat(obj: dict[str, Any], renderer: ChatRenderer | None,
         return [(t.suffix, t.input_ids, t.loss_mask) for t in turns], fallback
     except ConversationError as e:
         raise SampleError(where, str(e)) from None
-    except ServerDown:
+    except RenderCheckDown:
         raise  # the server checking the prompts went away: the run stops, the row is not bad
     except Exception as e:  # template errors come as jinja2 / ValueError / TypeError
         raise SampleError(where, f"the chat template failed on this row: {e}") from None
