@@ -11,7 +11,6 @@ hidden-state bytes in the dump dir.
 from __future__ import annotations
 
 import argparse
-import copy
 import errno
 import os
 import sys
@@ -28,7 +27,14 @@ from hsdump_patch.client import buffers, options, runner
 from hsdump_patch.client.dumps import dumpdir
 from hsdump_patch.client.options import RunSettings
 from hsdump_patch.client.output import records
-from hsdump_patch.client.output.manifest import Manifest, load_done, remove_stale_temps
+from hsdump_patch.client.output.manifest import (
+    Manifest,
+    entry,
+    load_done,
+    plan_resume,
+    remove_stale_temps,
+    skip_done,
+)
 from hsdump_patch.client.output.report import ExtractReport, RunReport, print_summary
 from hsdump_patch.client.rows.conversation import (
     POLICIES,
@@ -36,12 +42,12 @@ from hsdump_patch.client.rows.conversation import (
     chat_renderer,
 )
 from hsdump_patch.client.rows.dataset import (
-    RowRef,
     Sample,
     SampleError,
     Shard,
     index_dataset,
     iter_samples,
+    render_key,
 )
 from hsdump_patch.client.rows.mask import LOSS_MASKS, apply_convention
 from hsdump_patch.client.server.api import (
@@ -133,8 +139,9 @@ class Extraction:
     """One run: samples in, records out (see the module docstring)."""
 
     def __init__(self, settings: ExtractSettings, info: protocol.ServerInfo, client: ServerClient,
-                 run_id: str) -> None:
+                 run_id: str, render_key: str) -> None:
         self.s = settings
+        self.render_key = render_key
         self.info = info
         self.client = client
         self.run_id = run_id
@@ -311,9 +318,9 @@ class _ExtractJob(runner.Job[Sample, Done]):
         return f"{type(error).__name__}: {error}"  # anything else is local to this sample
 
     def finished(self, item: Sample, result: Done) -> str:
-        self.manifest.append({"id": item.id, "file": result.file,
-                              "tokens": len(item.input_ids), "trained": result.trained,
-                              "bytes": result.size, "digest": item.digest})
+        self.manifest.append(entry(item, self.extraction.render_key, file=result.file,
+                                   tokens=len(item.input_ids), trained=result.trained,
+                                   bytes=result.size))
         self.report.add_ok(len(item.input_ids), result.size, result.chunks, result.trained,
                            item.id)
         return f"{self.report.bytes / 1e9:.2f} GB"
@@ -360,14 +367,25 @@ def connect(settings: ExtractSettings,
     return client, model_info, info
 
 
-def extract(settings: ExtractSettings, dataset: Path, *, shard: Shard | None = None,
-            model: str | None = None, max_len: int | None = None, rid_prefix: str | None = None,
-            trust_remote_code: bool = False, multi_turn: str = "auto",
-            reasoning_parser: str | None = None,
+@dataclass
+class Prepared:
+    """A connected server and the rendering of its chat rows: what a run needs besides rows."""
+
+    client: ServerClient
+    info: protocol.ServerInfo
+    tokenizer_path: str
+    trust_remote_code: bool
+    renderer: ChatRenderer | None
+    served: ServedPrompts | None
+    chat_template_kwargs: dict[str, Any] | None
+
+
+def prepare(settings: ExtractSettings, *, model: str | None = None,
+            rid_prefix: str | None = None, trust_remote_code: bool = False,
+            multi_turn: str = "auto", reasoning_parser: str | None = None,
             chat_template_kwargs: dict[str, Any] | None = None,
-            prompt_check: str = "server") -> ExtractReport:
-    """Run one extraction; return its report."""
-    shard = shard or Shard()
+            prompt_check: str = "server") -> Prepared:
+    """Connect to the server and build the renderer its chat rows are rendered with."""
     client, model_info, info = connect(settings, rid_prefix)
     tokenizer_path = model or model_info.get("tokenizer_path") or info.model
     server_args = client.server_args()
@@ -379,6 +397,19 @@ def extract(settings: ExtractSettings, dataset: Path, *, shard: Shard | None = N
     renderer = chat_renderer(tokenizer, multi_turn,
                              reasoning_parser or server_args.get("reasoning_parser"),
                              template_kwargs=chat_template_kwargs, check=served)
+    return Prepared(client, info, tokenizer_path, trust, renderer, served, chat_template_kwargs)
+
+
+def extract(settings: ExtractSettings, dataset: Path, *, shard: Shard | None = None,
+            max_len: int | None = None, prepared: Prepared | None = None,
+            **how: Any) -> ExtractReport:
+    """Run one extraction (on ``prepared``, else on :func:`prepare` with ``how``); return its
+    report."""
+    shard = shard or Shard()
+    p = prepared or prepare(settings, **how)
+    client, info, renderer, served = p.client, p.info, p.renderer, p.served
+    tokenizer_path, trust, chat_template_kwargs = (p.tokenizer_path, p.trust_remote_code,
+                                                   p.chat_template_kwargs)
 
     rows, bad_rows = index_dataset(dataset)
     rows = [r for r in rows if shard.contains(r.id)]
@@ -390,19 +421,22 @@ def extract(settings: ExtractSettings, dataset: Path, *, shard: Shard | None = N
         chat_template_kwargs=chat_template_kwargs))
 
     report = ExtractReport(shard=str(shard), fmt=settings.fmt, out=str(settings.out),
-                    dataset=str(dataset), server=settings.server)
-    run = Extraction(settings, info, client, run_id)
+                           dataset=str(dataset), server=settings.server)
+    key = render_key(renderer, max_len)
+    run = Extraction(settings, info, client, run_id, key)
     with Manifest(settings.out, shard) as manifest:
         done = load_done(settings.out)
         remove_stale_temps(settings.out, {records.record_name(r.id, settings.fmt,
                                                               settings.compress) for r in rows})
         run.sweep_dump_dir(r.id for r in rows)
-        redo = _check_done(dataset, [r for r in rows if r.id in done], done, renderer, max_len)
-        todo = [r for r in rows if r.id not in done or r.id in redo]
-        report.already_done = sum(r.id in done and r.id not in redo for r in rows)
-        items: list[Any] = list(bad_rows)
-        run.run(_chain(items, report.watch(iter_samples(dataset, todo, renderer, max_len))),
-                len(bad_rows) + len(todo), manifest, report)
+        todo, report.already_done = plan_resume(dataset, rows, done, key)
+
+        def count_done() -> None:
+            report.already_done += 1
+
+        samples = skip_done(iter_samples(dataset, todo, renderer, max_len), done, count_done)
+        run.run(_chain(list(bad_rows), report.watch(samples)), len(bad_rows) + len(todo),
+                manifest, report)
         report.leftover_dump_dirs = run.sweep_dump_dir(r.id for r in rows)
     report.prompts_checked_by_server = served.checked if served is not None else None
     return report
@@ -411,27 +445,6 @@ def extract(settings: ExtractSettings, dataset: Path, *, shard: Shard | None = N
 def _chain(first: list[Any], rest: Iterable[Any]) -> Iterable[Any]:
     yield from first
     yield from rest
-
-
-def _check_done(dataset: Path, refs: list[RowRef], done: dict[str, dict[str, Any]],
-                renderer: ChatRenderer | None, max_len: int | None) -> set[str]:
-    """Check that already-extracted samples are unchanged in the dataset; return the ids of
-    the rows with a sample still to extract (a chat row may give several: --multi-turn)."""
-    row_at = {f"{dataset}:{r.line}": r.id for r in refs}
-    redo = set()
-    if renderer is not None and renderer.check is not None:
-        # Written samples passed the server's check when written; their digests cover the rest.
-        renderer = copy.copy(renderer)
-        renderer.check = None
-    for item in iter_samples(dataset, refs, renderer, max_len):
-        if isinstance(item, Sample) and item.id not in done:
-            redo.add(row_at[item.where])
-        elif isinstance(item, Sample) and item.digest != done[item.id].get("digest"):
-            raise ValueError(
-                f"{item.where}: sample {item.id!r} changed since its record was written (other "
-                "tokens, mask, --max-len or tokenizer); use a new --out directory, or delete its "
-                "record and rerun")
-    return redo
 
 
 # ------------------------------------------------------------------------------ CLI

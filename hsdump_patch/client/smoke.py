@@ -28,7 +28,7 @@ from hsdump_patch.client.buffers import torch_dtype
 from hsdump_patch.client.output import records
 from hsdump_patch.client.output.manifest import load_done
 from hsdump_patch.client.rows.conversation import prompt_ids
-from hsdump_patch.client.rows.dataset import ChatRenderer, Sample, index_dataset, iter_samples
+from hsdump_patch.client.rows.dataset import Sample, index_dataset, iter_samples
 from hsdump_patch.client.rows.schema import REGENERATED, TOKEN_IDS
 from hsdump_patch.client.server.api import ServerDown
 from hsdump_patch.client.server.tokenizer import load_tokenizer
@@ -209,16 +209,17 @@ def _run(args: argparse.Namespace, work: Path) -> int:
     settings = ex.settings_from_args(args, out, concurrency=1, on_error="skip")
     verdict: dict[str, Any] = {"server": args.server, "dump_dir": str(args.dump_dir)}
     try:
-        report = ex.extract(settings, dataset, model=args.model, max_len=args.max_len,
-                            rid_prefix=args.rid_prefix, trust_remote_code=args.trust_remote_code,
-                            multi_turn=args.multi_turn, reasoning_parser=args.reasoning_parser)
-        info = protocol.read_server_info(args.dump_dir)
-        meta = json.loads((out / records.META_FILE).read_text())
-        tokenizer = load_tokenizer(meta["tokenizer"], bool(meta.get("trust_remote_code")))
+        prepared = ex.prepare(settings, model=args.model, rid_prefix=args.rid_prefix,
+                              trust_remote_code=args.trust_remote_code,
+                              multi_turn=args.multi_turn, reasoning_parser=args.reasoning_parser)
+        report = ex.extract(settings, dataset, max_len=args.max_len, prepared=prepared)
+        info = prepared.info
         refs, _ = index_dataset(dataset)
-        samples = [s for s in iter_samples(dataset, refs, ChatRenderer(
-            tokenizer, policy=args.multi_turn), args.max_len)
+        # The renderer extract used: the samples the records must hold.
+        samples = [s for s in iter_samples(dataset, refs, prepared.renderer, args.max_len)
                    if isinstance(s, Sample)]
+        tokenizer = prepared.renderer.tokenizer if prepared.renderer else load_tokenizer(
+            prepared.tokenizer_path, prepared.trust_remote_code)
         checks = validate(out, args.fmt, info, samples, report, pair)
         checks.append(check_regeneration(args, work, tokenizer))
         verdict["report"] = report.to_json()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import json
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -433,6 +434,17 @@ class ChatRenderer:
         tail = answered[cut + len(answer):] if cut >= 0 else ""
         self.end_of_turn = tail.rstrip() or tail
         self.turn_separator = tail[len(self.end_of_turn):]
+
+    def fingerprint(self) -> str:
+        """A digest of everything besides a row's own bytes that decides its samples: the
+        policy, the chat template, its kwargs, the think markers and the vocabulary (with the
+        added tokens). A resumed run compares it instead of rendering finished rows again."""
+        h = hashlib.sha256()
+        h.update(json.dumps([self.policy, self.tokenizer.chat_template, self.template_kwargs,
+                             self.think and [self.think.start, self.think.end]],
+                            sort_keys=True, default=str).encode())
+        h.update(json.dumps(sorted(self.tokenizer.get_vocab().items())).encode())
+        return h.hexdigest()[:32]
 
     def _render(self, messages: Sequence[dict[str, Any]], generation_prompt: bool,
                 tools: list[dict[str, Any]] | None = None) -> str:

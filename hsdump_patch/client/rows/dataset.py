@@ -43,11 +43,18 @@ class SampleError(ValueError):
 
 @dataclass(frozen=True)
 class RowRef:
-    """Where one dataset row is: its id, line number and byte offset in the file."""
+    """Where one dataset row is (its id, line number and byte offset in the file) and a digest
+    of its bytes."""
 
     id: str
     line: int
     offset: int
+    digest: str = ""
+
+    def key(self, render_key: str) -> str:
+        """The row's resume key: its bytes under the render settings ``render_key`` (the
+        manifest keeps it with the row's records; a resumed run compares it)."""
+        return hashlib.blake2b(f"{render_key}:{self.digest}".encode(), digest_size=16).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -60,6 +67,8 @@ class Sample:
     loss_mask: list[int]
     # On the first sample of a chat row that ``auto`` split into per-turn samples: why.
     fallback: str | None = None
+    row: RowRef | None = None  # the row it comes from
+    row_samples: int = 1  # how many samples that row gives
 
     @property
     def digest(self) -> str:
@@ -157,7 +166,8 @@ def index_dataset(path: Path) -> tuple[list[RowRef], list[SampleError]]:
                 errors.append(e)
                 continue
             seen[sample_id] = line_no
-            rows.append(RowRef(sample_id, line_no, start))
+            rows.append(RowRef(sample_id, line_no, start,
+                               hashlib.blake2b(raw.strip(), digest_size=16).hexdigest()))
     return rows, errors
 
 
@@ -234,11 +244,18 @@ def load_samples(f: BinaryIO, path: Path, ref: RowRef, renderer: ChatRenderer | 
                 cut = f" within the first {max_len} tokens (--max-len)" if max_len else ""
                 raise SampleError(where, f"the loss mask is all zeros{cut}: the sample has no "
                                   "assistant tokens to train on")
-            out.append(Sample(ref.id + suffix, where, ids, mask, None if out else fallback))
+            out.append(Sample(ref.id + suffix, where, ids, mask, None if out else fallback, ref,
+                              len(parts)))
     except SampleError as e:
         e.sample_id = ref.id
         raise
     return out
+
+
+def render_key(renderer: ChatRenderer | None, max_len: int | None) -> str:
+    """A digest of the settings that turn a row's bytes into samples (:meth:`RowRef.key`)."""
+    settings = [renderer.fingerprint() if renderer is not None else None, max_len]
+    return hashlib.blake2b(json.dumps(settings).encode(), digest_size=16).hexdigest()
 
 
 def iter_samples(path: Path, refs: Sequence[RowRef], renderer: ChatRenderer | None,
