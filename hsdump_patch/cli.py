@@ -14,7 +14,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "hsdump_patch.client.extract",
     "hsdump_patch.client.regenerate",
     "hsdump_patch.client.smoke",
-    "hsdump_patch.client.output.handoff",
+    "hsdump_patch.client.handoff",
     "hsdump_patch.client.bridge",
     "hsdump_patch.ops.verify",
 )
