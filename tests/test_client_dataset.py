@@ -215,10 +215,21 @@ def test_a_template_dropping_past_reasoning_gives_serving_time_samples(tok_dir):
     assert last.input_ids == p2 + c2
 
 
-def test_think_markers_come_from_sglangs_reasoning_parser(sglang_available):
-    from hsdump_patch.client.rows.conversation import ThinkMarkers
+def test_think_markers_are_sglangs_for_every_reasoning_parser(sglang_available):
+    from sglang.srt.parser.reasoning_parser import ReasoningParser
 
+    from hsdump_patch.client.rows.conversation import REASONING_MARKERS, ThinkMarkers
+
+    sglangs = {}
+    for name in ReasoningParser.DetectorMap:
+        if name == "response_template":  # its markers are server arguments
+            continue
+        detector = ReasoningParser(name).detector
+        sglangs[name] = (detector.think_start_token, detector.think_end_token)
+    assert sglangs == REASONING_MARKERS
     assert ThinkMarkers.from_reasoning_parser("kimi_k2") == ThinkMarkers("<think>", "</think>")
+    with pytest.raises(ValueError, match=r"unknown reasoning parser 'nope': SGLang 0.5.23 has "):
+        ThinkMarkers.from_reasoning_parser("nope")
 
 
 def _finish(out: Path, samples, key: str) -> dict:

@@ -45,7 +45,7 @@ from hsdump_patch.client.rows.dataset import (
     Sample,
     SampleError,
     Shard,
-    index_dataset,
+    index_shard,
     iter_samples,
     render_key,
 )
@@ -411,9 +411,7 @@ def extract(settings: ExtractSettings, dataset: Path, *, shard: Shard | None = N
     tokenizer_path, trust, chat_template_kwargs = (p.tokenizer_path, p.trust_remote_code,
                                                    p.chat_template_kwargs)
 
-    rows, bad_rows = index_dataset(dataset)
-    rows = [r for r in rows if shard.contains(r.id)]
-    bad_rows = [e for e in bad_rows if shard.contains(e.sample_id or e.where)]
+    rows, bad_rows = index_shard(dataset, shard)
     settings.out.mkdir(parents=True, exist_ok=True)
     run_id = records.ensure_sidecar(settings.out, records.sidecar(
         settings.fmt, info, tokenizer=tokenizer_path, max_len=max_len, compress=settings.compress,

@@ -35,7 +35,7 @@ from hsdump_patch.client.output.report import (
 from hsdump_patch.client.output.rowlog import RowLog
 from hsdump_patch.client.rows import schema as rows
 from hsdump_patch.client.rows.conversation import ConversationError, ThinkMarkers, decode
-from hsdump_patch.client.rows.dataset import SampleError, Shard, index_dataset, read_row
+from hsdump_patch.client.rows.dataset import SampleError, Shard, index_shard, read_row
 from hsdump_patch.client.rows.regen_plan import AGENT_POLICIES, DEFAULT_AGENT_POLICY, Plan, plan_row
 from hsdump_patch.client.server.api import ServerClient, ServerDown
 from hsdump_patch.client.server.served import request_messages
@@ -456,9 +456,7 @@ def regenerate(args: argparse.Namespace) -> RegenReport:
     regen = Regenerator(s, client, tokenizer, parsers, server_args.get("max_req_input_len"))
 
     shard: Shard = args.shard
-    refs, bad = index_dataset(dataset)
-    refs = [r for r in refs if shard.contains(r.id)]
-    bad = [e for e in bad if shard.contains(e.sample_id or e.where)]
+    refs, bad = index_shard(dataset, shard)
     report = RegenReport(shard=str(shard), out=str(s.out), dataset=str(dataset),
                          server=s.server, sampling=s.sampling,
                          max_new_tokens=s.max_new_tokens, agent_policy=s.agent_policy,

@@ -171,6 +171,13 @@ def index_dataset(path: Path) -> tuple[list[RowRef], list[SampleError]]:
     return rows, errors
 
 
+def index_shard(path: Path, shard: Shard) -> tuple[list[RowRef], list[SampleError]]:
+    """:func:`index_dataset`, kept to the rows (and malformed lines) of ``shard``."""
+    rows, errors = index_dataset(path)
+    return ([r for r in rows if shard.contains(r.id)],
+            [e for e in errors if shard.contains(e.sample_id or e.where)])
+
+
 def _int_list(value: Any, key: str, where: str) -> list[int]:
     if not isinstance(value, list) or not all(
         isinstance(v, int) and not isinstance(v, bool) for v in value
