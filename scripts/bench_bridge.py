@@ -49,7 +49,7 @@ import torch  # noqa: E402
 
 from hsdump_patch import protocol  # noqa: E402
 from hsdump_patch.client import extract as ex  # noqa: E402
-from hsdump_patch.client import records  # noqa: E402
+from hsdump_patch.client.output import records  # noqa: E402
 from tests.conftest import specforge_on_path  # noqa: E402
 from tests.harness import make_models  # noqa: E402
 from tests.harness import server as srv  # noqa: E402
@@ -78,8 +78,8 @@ def feature_bytes(tokens: int, info: protocol.ServerInfo) -> int:
 
 def offline(args: argparse.Namespace, server: srv.Server, dump_dir: Path, dataset: Path,
             out: Path) -> dict[str, float]:
-    settings = ex.Settings(server=server.url, dump_dir=dump_dir, out=out, fmt="specforge",
-                           concurrency=args.producers * args.batch, progress=False)
+    settings = ex.ExtractSettings(server=server.url, dump_dir=dump_dir, out=out, fmt="specforge",
+                                  concurrency=args.producers * args.batch, progress=False)
     cpu0 = time.process_time()
     t0 = time.perf_counter()
     report = ex.extract(settings, dataset, prompt_check="off")

@@ -55,9 +55,9 @@ benchtree.select()
 import torch  # noqa: E402 - imports after choosing the tree (--tree)
 
 from hsdump_patch import __version__, protocol  # noqa: E402
-from hsdump_patch.client import records  # noqa: E402
-from hsdump_patch.client.dataset import Sample, SampleError, index_dataset, iter_samples  # noqa: E402
 from hsdump_patch.client.extract import Extraction, Settings  # noqa: E402
+from hsdump_patch.client.output import records  # noqa: E402
+from hsdump_patch.client.rows.dataset import Sample, SampleError, index_dataset, iter_samples  # noqa: E402
 
 try:
     from hsdump_patch.client.extract import request_id
@@ -202,7 +202,7 @@ def chat_samples(rows: Path, messages: int, policy: str, tokenizer_dir: Path | N
     samples (``hsdump extract``'s dataset path) and a description of the rows."""
     from bench_render import chat_row, tokenizer
 
-    from hsdump_patch.client.conversation import chat_renderer
+    from hsdump_patch.client.rows.conversation import chat_renderer
 
     tok = tokenizer(tokenizer_dir)
     with open(rows, "w") as f:

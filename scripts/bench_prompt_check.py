@@ -33,12 +33,14 @@ from bench_render import chat_row
 
 from hsdump_patch.client import extract as ex
 from hsdump_patch.client import options
+from hsdump_patch.client.server.api import ServerClient
+from hsdump_patch.client.server.tokenizer import load_tokenizer
 
 
 def run_once(args: argparse.Namespace, dataset: Path, out: Path, check: str) -> dict[str, Any]:
     """One extraction of ``dataset``; its throughput and checked turns."""
-    settings = ex.Settings(server=args.server, dump_dir=args.dump_dir, out=out,
-                           progress=False, concurrency=args.concurrency, on_error="fail")
+    settings = ex.ExtractSettings(server=args.server, dump_dir=args.dump_dir, out=out,
+                                  progress=False, concurrency=args.concurrency, on_error="fail")
     t0 = time.perf_counter()
     report = ex.extract(settings, dataset, prompt_check=check, trust_remote_code=True)
     wall = time.perf_counter() - t0
@@ -64,9 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None, help="write results here (default: none)")
     args = p.parse_args(argv)
 
-    client = ex.ServerClient(args.server, request_timeout=600, retries=2, retry_wait=1)
+    client = ServerClient(args.server, request_timeout=600, retries=2, retry_wait=1)
     info = client.model_info()
-    tok = ex.load_tokenizer(info.get("tokenizer_path") or info["model_path"], True)
+    tok = load_tokenizer(info.get("tokenizer_path") or info["model_path"], True)
     runs: dict[str, list[dict[str, Any]]] = {"off": [], "server": []}
     with tempfile.TemporaryDirectory() as tmp:
         dataset = Path(tmp) / "rows.jsonl"

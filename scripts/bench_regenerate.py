@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from hsdump_patch.cli import main as cli  # noqa: E402 - the repo root must be importable first
-from hsdump_patch.client.conversation import prompt_ids  # noqa: E402
+from hsdump_patch.client.rows.conversation import prompt_ids  # noqa: E402
 from tests.harness import make_models  # noqa: E402
 from tests.harness import server as srv  # noqa: E402
 

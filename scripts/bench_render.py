@@ -36,7 +36,7 @@ import benchtree
 
 benchtree.select()
 
-from hsdump_patch.client.conversation import (  # noqa: E402 - after choosing the tree
+from hsdump_patch.client.rows.conversation import (  # noqa: E402 - after choosing the tree
     ChatRenderer,
     Conversation,
     parse_conversation,

@@ -28,9 +28,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from hsdump_patch import protocol  # noqa: E402 - the repo root must be importable first
-from hsdump_patch.client import assemble, records  # noqa: E402
 from hsdump_patch.client import extract as ex  # noqa: E402
-from hsdump_patch.client.dataset import Shard  # noqa: E402
+from hsdump_patch.client.dumps import dumpdir  # noqa: E402
+from hsdump_patch.client.output import records  # noqa: E402
+from hsdump_patch.client.rows.dataset import Shard  # noqa: E402
 from tests.harness import make_models  # noqa: E402
 from tests.harness import server as srv  # noqa: E402
 
@@ -83,12 +84,12 @@ def decode_costs(url: str, dump: Path, info: protocol.ServerInfo, row: dict,
         body = {"rid": rid, "input_ids": row["input_ids"],
                 "sampling_params": {"max_new_tokens": 0, "temperature": 0}}
         requests.post(f"{url}/generate", json=body, timeout=3600).raise_for_status()
-        assert assemble.wait_for_marker(dump, rid, 60)
+        assert dumpdir.wait_for_marker(dump, rid, 60)
         t0 = time.perf_counter()
-        assemble.read_request(dump, rid, row["input_ids"], info,
+        dumpdir.read_request(dump, rid, row["input_ids"], info,
                               records.RecordBuilder("eagle3", n, info))
         best_dump = min(best_dump, time.perf_counter() - t0)
-        assemble.remove_request(dump, rid)
+        dumpdir.remove_request(dump, rid)
     return best_json / n * 1e6, best_dump / n * 1e6
 
 
@@ -120,8 +121,8 @@ def main() -> int:
         info = protocol.read_server_info(dump)
         warm = [{**rows[0], "id": "warm"}]
         json_path(server.url, warm, info, work / "warm-json", 1)
-        settings = ex.Settings(server=server.url, dump_dir=dump, out=work / "hsdump",
-                               concurrency=args.concurrency, progress=False)
+        settings = ex.ExtractSettings(server=server.url, dump_dir=dump, out=work / "hsdump",
+                                      concurrency=args.concurrency, progress=False)
         ex.extract(settings, dataset, shard=Shard())
         settings.out = work / "hsdump-run"
         rep = ex.extract(settings, dataset, shard=Shard())

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hsdump_patch import protocol
-from hsdump_patch.client.conversation import (
+from hsdump_patch.client.rows.conversation import (
     ChatRenderer,
     ConversationError,
     parse_conversation,
@@ -403,7 +403,7 @@ def test_tools_are_declared_as_sglangs_request_model_dumps_them():
     """Key for key and in order, what SGLang's own ``Tool.model_dump()`` hands the template."""
     from sglang.srt.entrypoints.openai.protocol import Tool
 
-    from hsdump_patch.client.conversation import served_tools
+    from hsdump_patch.client.rows.conversation import served_tools
 
     tools = [
         TOOLS[0],
@@ -433,7 +433,7 @@ def test_content_format_is_sglangs():
     (openai) is decided as SGLang 0.5.23 decides it, on real and edge-case templates."""
     from sglang.srt.parser.jinja_template_utils import detect_jinja_template_content_format
 
-    from hsdump_patch.client.conversation import content_format
+    from hsdump_patch.client.rows.conversation import content_format
     from hsdump_patch.ops.verify_model import CHAT_TEMPLATE
     from tests.harness.make_models import KIMI_DIR, QWEN3_STYLE_TEMPLATE
 
@@ -449,7 +449,7 @@ def test_follow_chat_template(tmp_path):
     it); a built-in name or an unreadable file is refused with what to do."""
     from types import SimpleNamespace
 
-    from hsdump_patch.client.served import follow_chat_template
+    from hsdump_patch.client.server.tokenizer import follow_chat_template
 
     tok = SimpleNamespace(chat_template="own")
     assert follow_chat_template(tok, {"chat_template": None}) is None and tok.chat_template == "own"
@@ -469,8 +469,9 @@ def test_a_prompt_the_server_would_not_serve_is_refused(qwen3_style_server):
     prompt differs from the server's: the turn is refused, naming where, never written."""
     from transformers import AutoTokenizer
 
-    from hsdump_patch.client.extract import ServerClient
-    from hsdump_patch.client.served import ServedPrompts, follow_chat_template
+    from hsdump_patch.client.server.api import ServerClient
+    from hsdump_patch.client.server.served import ServedPrompts
+    from hsdump_patch.client.server.tokenizer import follow_chat_template
 
     tok = AutoTokenizer.from_pretrained(qwen3_style_server.model)
     client = ServerClient(qwen3_style_server.url, request_timeout=60, retries=0, retry_wait=1)

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from hsdump_patch import protocol
-from hsdump_patch.client import assemble, buffers, records
+from hsdump_patch.client import buffers
+from hsdump_patch.client.dumps import dumpdir
+from hsdump_patch.client.output import records
 
 INFO = protocol.ServerInfo(
     model="/m", architecture="LlamaForCausalLM", layers=(3, 1, 2), layers_source="test",
@@ -48,7 +50,7 @@ def test_records_from_reused_buffers_are_byte_identical_to_fresh_ones(tmp_path, 
         fresh.put(0, full)
         with record_pool.lend(records.RecordBuilder.nbytes(length, INFO)) as buf:
             pooled = records.RecordBuilder(fmt, length, INFO, buf)
-            assert assemble.read_request(tmp_path, rid, ids, INFO, pooled, chunk_pool) == 2
+            assert dumpdir.read_request(tmp_path, rid, ids, INFO, pooled, chunk_pool) == 2
             records.save_atomic(pooled.record(ids, mask), tmp_path / "pooled.pt")
         records.save_atomic(fresh.record(ids, mask), tmp_path / "fresh.pt")
         assert (tmp_path / "pooled.pt").read_bytes() == (tmp_path / "fresh.pt").read_bytes()
@@ -75,5 +77,5 @@ def test_a_damaged_chunk_is_a_protocol_error_naming_the_file(tmp_path, damage):
     path.write_bytes(data[: len(data) // 2] if damage == "truncate" else b"not safetensors")
     builder = records.RecordBuilder("eagle3", 4, INFO)
     with pytest.raises(protocol.ProtocolError, match=str(path)):
-        assemble.read_request(tmp_path, "hsdump-x", [0, 1, 2, 3], INFO, builder,
+        dumpdir.read_request(tmp_path, "hsdump-x", [0, 1, 2, 3], INFO, builder,
                               buffers.BufferPool(1 << 30))

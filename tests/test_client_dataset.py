@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hsdump_patch.client.dataset import (
+from hsdump_patch.client.rows.dataset import (
     ChatRenderer,
     SampleError,
     Shard,
@@ -186,8 +186,8 @@ QWEN3_STYLE = (  # keeps reasoning only after the last user query, like Qwen3's 
 
 
 def test_a_template_dropping_past_reasoning_gives_serving_time_samples(tok_dir):
-    from hsdump_patch.client.conversation import ChatRenderer as Renderer
-    from hsdump_patch.client.conversation import ThinkMarkers, parse_conversation
+    from hsdump_patch.client.rows.conversation import ChatRenderer as Renderer
+    from hsdump_patch.client.rows.conversation import ThinkMarkers, parse_conversation
 
     tok = fresh_tokenizer(tok_dir)
     tok.chat_template = QWEN3_STYLE
@@ -215,7 +215,98 @@ def test_a_template_dropping_past_reasoning_gives_serving_time_samples(tok_dir):
     assert last.input_ids == p2 + c2
 
 
-def test_think_markers_come_from_sglangs_reasoning_parser(sglang_available):
-    from hsdump_patch.client.conversation import ThinkMarkers
+def test_think_markers_are_sglangs_for_every_reasoning_parser(sglang_available):
+    from sglang.srt.parser.reasoning_parser import ReasoningParser
 
+    from hsdump_patch.client.rows.conversation import REASONING_MARKERS, ThinkMarkers
+
+    sglangs = {}
+    for name in ReasoningParser.DetectorMap:
+        if name == "response_template":  # its markers are server arguments
+            continue
+        detector = ReasoningParser(name).detector
+        sglangs[name] = (detector.think_start_token, detector.think_end_token)
+    assert sglangs == REASONING_MARKERS
     assert ThinkMarkers.from_reasoning_parser("kimi_k2") == ThinkMarkers("<think>", "</think>")
+    with pytest.raises(ValueError, match=r"unknown reasoning parser 'nope': SGLang 0.5.23 has "):
+        ThinkMarkers.from_reasoning_parser("nope")
+
+
+def _finish(out: Path, samples, key: str) -> dict:
+    """What a finished run leaves: each sample's record file and manifest line."""
+    from hsdump_patch.client.output.manifest import Manifest, entry, load_done
+
+    with Manifest(out, Shard()) as m:
+        for s in samples:
+            (out / f"{s.id}.pt").write_bytes(b"r")
+            m.append(entry(s, key, file=f"{s.id}.pt"))
+    return load_done(out)
+
+
+def test_resume_is_keyed_by_row_bytes_and_render_settings(tmp_path, tokenizer):
+    from hsdump_patch.client.output.manifest import plan_resume, skip_done
+    from hsdump_patch.client.rows.conversation import chat_renderer
+    from hsdump_patch.client.rows.dataset import render_key
+
+    pre = {"id": "p", "input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}
+    rows = [openai_row(CONV, id="a"), pre, openai_row(CONV, id="b")]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    per_turn = chat_renderer(tokenizer, "per-turn")
+    key = render_key(per_turn, None)
+    refs, _ = index_dataset(path)
+    samples = list(iter_samples(path, refs, per_turn, None))
+    assert [s.id for s in samples] == ["a", "a#4", "p", "b", "b#4"]
+    assert [s.row_samples for s in samples] == [2, 2, 1, 2, 2]
+    out = tmp_path / "out"
+    out.mkdir()
+    done = _finish(out, samples, key)
+
+    # Every row finished: nothing to read or render, every sample counted as done.
+    assert plan_resume(path, refs, done, key) == ([], 5)
+    # Rows moved and a new one inserted: keys are bytes, not positions.
+    moved = write_jsonl(tmp_path / "m.jsonl", [pre, {**pre, "id": "n"}, *rows[::2]])
+    mrefs, _ = index_dataset(moved)
+    assert plan_resume(moved, mrefs, done, key) == ([mrefs[1]], 5)
+
+    # One record gone: only its row comes back, and only the missing sample is sent again.
+    (out / "a#4.pt").unlink()
+    from hsdump_patch.client.output.manifest import load_done
+
+    done_a = load_done(out)
+    todo, finished = plan_resume(path, refs, done_a, key)
+    assert (todo, finished) == ([refs[0]], 3)
+    skipped = []
+    again = list(skip_done(iter_samples(path, todo, per_turn, None), done_a,
+                           lambda: skipped.append(1)))
+    assert [s.id for s in again] == ["a#4"] and len(skipped) == 1
+
+    # A changed row, or changed render settings, is refused with the row named.
+    changed = write_jsonl(tmp_path / "c.jsonl", [rows[0], {**pre, "loss_mask": [0, 0, 1]}, rows[2]])
+    crefs, _ = index_dataset(changed)
+    with pytest.raises(ValueError, match=rf"{changed}:2: row 'p' changed since its record"):
+        plan_resume(changed, crefs, done, key)
+    for other in (render_key(chat_renderer(tokenizer, "last"), None), render_key(per_turn, 64),
+                  render_key(chat_renderer(tokenizer, "per-turn",
+                                           template_kwargs={"thinking": False}), None)):
+        with pytest.raises(ValueError, match=rf"{path}:1: row 'a' changed since"):
+            plan_resume(path, refs, done, other)
+
+
+def test_resume_of_a_manifest_without_row_keys_checks_each_sample_as_rendered(tmp_path, tokenizer):
+    from hsdump_patch.client.output.manifest import plan_resume, skip_done
+    from hsdump_patch.client.rows.dataset import render_key
+
+    renderer = ChatRenderer(tokenizer)
+    path = write_jsonl(tmp_path / "d.jsonl", [openai_row(CONV, id="a"), openai_row(CONV[:3])])
+    refs, _ = index_dataset(path)
+    a, second = iter_samples(path, refs, renderer, None)
+    key = render_key(renderer, None)
+    legacy = {"a": {"id": "a", "file": "a.pt", "digest": a.digest}}  # an older hsdump's line
+    assert plan_resume(path, refs, legacy, key) == (refs, 0)
+    skipped = []
+    left = list(skip_done(iter_samples(path, refs, renderer, None), legacy,
+                          lambda: skipped.append(1)))
+    assert [s.id for s in left] == [second.id] and skipped == [1]
+    legacy["a"]["digest"] = "0" * 32
+    with pytest.raises(ValueError, match=rf"{path}:1: sample 'a' changed since"):
+        list(skip_done(iter_samples(path, refs, renderer, None), legacy, lambda: None))

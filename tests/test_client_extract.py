@@ -24,8 +24,8 @@ import torch
 
 from hsdump_patch import protocol
 from hsdump_patch.cli import main as cli
-from hsdump_patch.client import records
-from hsdump_patch.client.assemble import wait_for_marker
+from hsdump_patch.client.dumps.dumpdir import wait_for_marker
+from hsdump_patch.client.output import records
 from tests.harness import server as srv
 from tests.test_client_dataset import CONV, openai_row, reference, sharegpt_row, write_jsonl
 
@@ -362,7 +362,8 @@ def custom_code_tokenizer(model: Path, dest: Path) -> Path:
 
 
 def test_custom_code_tokenizer_needs_trust_and_the_error_names_the_flag(tmp_path, llama_server):
-    from hsdump_patch.client.extract import ServerClient, load_tokenizer
+    from hsdump_patch.client.server.api import ServerClient
+    from hsdump_patch.client.server.tokenizer import load_tokenizer
 
     tok_dir = custom_code_tokenizer(llama_server.model, tmp_path / "tok")
     rows = pre_tokenized(2, seed=21, prefix="tr")

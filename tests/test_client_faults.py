@@ -17,7 +17,7 @@ import requests
 import torch
 
 from hsdump_patch import protocol
-from hsdump_patch.client import records
+from hsdump_patch.client.output import records
 from tests.conftest import start_dump_server
 from tests.harness import server as srv
 from tests.test_client_dataset import write_jsonl

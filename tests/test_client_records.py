@@ -11,9 +11,14 @@ import pytest
 import torch
 
 from hsdump_patch import protocol
-from hsdump_patch.client import records
-from hsdump_patch.client.dataset import Shard
-from hsdump_patch.client.manifest import Manifest, load_done, manifest_path, remove_stale_temps
+from hsdump_patch.client.output import records
+from hsdump_patch.client.output.manifest import (
+    Manifest,
+    load_done,
+    manifest_path,
+    remove_stale_temps,
+)
+from hsdump_patch.client.rows.dataset import Shard
 
 
 def server_info(has_final: bool = True, layers=(1, 2, 3)) -> protocol.ServerInfo:
@@ -163,8 +168,8 @@ def test_manifest_resume_ignores_cut_lines_and_missing_records(tmp_path):
 
 
 def test_one_process_per_shard(tmp_path):
-    code = ("import sys; from pathlib import Path; from hsdump_patch.client.manifest import "
-            "Manifest; from hsdump_patch.client.dataset import Shard\n"
+    code = ("import sys; from pathlib import Path; from hsdump_patch.client.output.manifest import "
+            "Manifest; from hsdump_patch.client.rows.dataset import Shard\n"
             "try:\n Manifest(Path(sys.argv[1]), Shard(0, 1))\nexcept RuntimeError as e:\n"
             " print(e); sys.exit(7)")
     with Manifest(tmp_path, Shard(0, 1)):
@@ -191,7 +196,7 @@ def test_stale_temps_of_this_shard_are_removed(tmp_path, fmt):
 
 @pytest.mark.parametrize("fmt", records.FORMATS)
 def test_smoke_flags_records_without_what_the_format_needs(fmt):
-    from hsdump_patch.client.dataset import Sample
+    from hsdump_patch.client.rows.dataset import Sample
     from hsdump_patch.client.smoke import check_record
 
     info = server_info()

@@ -16,8 +16,8 @@ import torch
 
 from hsdump_patch import protocol
 from hsdump_patch.cli import main as cli
-from hsdump_patch.client import records
-from hsdump_patch.client.conversation import ChatRenderer, parse_conversation
+from hsdump_patch.client.output import records
+from hsdump_patch.client.rows.conversation import ChatRenderer, parse_conversation
 from hsdump_patch.reader import iter_records
 
 SYSTEM = "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>"  # noqa: E501

@@ -38,24 +38,29 @@ def _copy(tmp_path: Path) -> Path:
 def test_the_tree_keeps_the_contracts():
     proc = _lint(ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "2 kept, 0 broken" in proc.stdout
+    assert "3 kept, 0 broken" in proc.stdout
 
 
 @pytest.mark.parametrize(("line", "broken"), [
-    ("from hsdump_patch.capture import config", "capture | client over the protocol"),
-    ("from hsdump_patch.client import extract", "capture | client over the protocol"),
-    ("import tests.harness", "the package never imports the test suite"),
-], ids=["client-imports-capture", "protocol-imports-client", "package-imports-tests"])
+    ("from hsdump_patch.capture import config", ["capture | client over the protocol"]),
+    # The client's stages import the protocol: one importing a command breaks both contracts.
+    ("from hsdump_patch.client import extract", ["capture | client over the protocol",
+                                                 "the client by stage"]),
+    ("import tests.harness", ["the package never imports the test suite"]),
+    ("from hsdump_patch.client.output import records", ["the client by stage"]),
+], ids=["client-imports-capture", "protocol-imports-client", "package-imports-tests",
+        "rows-import-output"])
 def test_a_wrong_arrow_breaks_the_lint(tmp_path, line, broken):
     tree = _copy(tmp_path)
-    target = "protocol.py" if "client import" in line else "client/mask.py"
+    target = "protocol.py" if "client import" in line else "client/rows/mask.py"
     path = tree / "hsdump_patch" / target
     path.write_text(path.read_text() + f"\n{line}  # noqa\n")
     proc = _lint(tree)
     assert proc.returncode != 0, proc.stdout
     verdicts = [x.rstrip() for x in proc.stdout.splitlines() if x.endswith(("KEPT", "BROKEN"))]
+    assert len(verdicts) == 3, proc.stdout
     assert [v for v in verdicts if v.endswith("BROKEN")] == [
-        next(v for v in verdicts if v.startswith(broken))], proc.stdout
+        next(v for v in verdicts if v.startswith(b)) for b in broken], proc.stdout
 
 
 # The targets whose job is the test suite (running or linting it).

@@ -20,17 +20,17 @@ import pytest
 import requests
 
 from hsdump_patch.cli import main as cli
-from hsdump_patch.client.conversation import ThinkMarkers, decode, prompt_ids
-from hsdump_patch.client.regen_plan import plan_row
+from hsdump_patch.client.output.rowlog import RowLog
 from hsdump_patch.client.regenerate import (
     ROW_FIELD,
     SERVER_DEFAULTS,
     RegenClient,
     Regenerator,
-    Settings,
+    RegenSettings,
     split_reasoning,
 )
-from hsdump_patch.client.rowlog import RowLog
+from hsdump_patch.client.rows.conversation import ThinkMarkers, decode, prompt_ids
+from hsdump_patch.client.rows.regen_plan import plan_row
 from hsdump_patch.reader import iter_records
 from tests.conftest import start_dump_server
 from tests.harness import server as srv
@@ -460,7 +460,7 @@ def test_kimi_thinking_turns_split_faithfully_and_prompts_equal_the_servers(
     plan = plan_row(row, "t")
     first = prompt_ids(tok, plan.messages[:1])
     greedy = kimi_server.server.generate(first, max_new_tokens=NEW)["output_ids"]
-    settings = Settings(server=kimi_server.url, out=tmp_path / "o.jsonl", max_new_tokens=NEW,
+    settings = RegenSettings(server=kimi_server.url, out=tmp_path / "o.jsonl", max_new_tokens=NEW,
                         sampling={"temperature": 0.0, "stop_token_ids": [greedy[2]]})
     regen = Regenerator(settings, client, tok, {}, None)
     res = regen.process("kimi-think-2", row, plan)
@@ -524,7 +524,7 @@ def test_sampled_thinking_turns_follow_the_servers_prompts_then_extract(
     row = openai_row(CONV[1:], id="kimi-sampled")
     plan = plan_row(row, "t")
     stops = list(range(0, len(tok), 5))  # about one token in five ends a turn
-    settings = Settings(server=kimi_server.url, out=tmp_path / "o.jsonl", max_new_tokens=64,
+    settings = RegenSettings(server=kimi_server.url, out=tmp_path / "o.jsonl", max_new_tokens=64,
                         sampling={"temperature": 1.0, "top_p": 0.95, "min_new_tokens": 3,
                                   "stop_token_ids": stops})
     regen = Regenerator(settings, client, tok, {}, None)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from hsdump_patch import protocol
-from hsdump_patch.client import records
+from hsdump_patch.client.output import records
 from hsdump_patch.reader import iter_records, manifest_entries
 from tests.conftest import specforge_on_path
 from tests.harness.reference import hf_hidden_states

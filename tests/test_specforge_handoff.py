@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hsdump_patch.client.dataset import Shard
+from hsdump_patch.client.rows.dataset import Shard
 from hsdump_patch.reader import load_record
 from tests.conftest import specforge_on_path
 from tests.harness.make_models import VOCAB

@@ -10,7 +10,7 @@ mooncake_store.py``, ``MooncakeFeatureStore._tkey``), or ``{"error": reason}``.
 
 :class:`Bridge` does that with an hsdump-enabled server: one prefill-only ``/generate`` under
 dump rids, the chunks read back through the file protocol (every check of
-:func:`~hsdump_patch.client.assemble.read_request`), the aux layers concatenated in ascending
+:func:`~hsdump_patch.client.dumps.dumpdir.read_request`), the aux layers concatenated in ascending
 order, the tensors put into Mooncake, the dump directories removed. Client side: it depends on
 the file protocol only, never on SGLang.
 """
@@ -36,16 +36,17 @@ import requests
 import torch
 
 from hsdump_patch import protocol
-from hsdump_patch.client.assemble import (
+from hsdump_patch.client.buffers import BufferPool, torch_dtype
+from hsdump_patch.client.dumps.dumpdir import (
     read_request,
     remove_request,
     wait_for_marker,
     wait_until_settled,
 )
-from hsdump_patch.client.buffers import BufferPool
-from hsdump_patch.client.extract import DEFAULT_DUMP_TIMEOUT, check_meta
+from hsdump_patch.client.extract import DEFAULT_DUMP_TIMEOUT
 from hsdump_patch.client.options import DEFAULT_SERVER
-from hsdump_patch.client.records import RecordBuilder, torch_dtype
+from hsdump_patch.client.output.records import RecordBuilder
+from hsdump_patch.client.server.api import check_meta
 
 # The server's generic artifacts (SpecForge's ServerCaptureSchema aux / last_hidden_feature).
 ARTIFACTS = ("aux", "last_hidden")

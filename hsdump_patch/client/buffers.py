@@ -72,3 +72,11 @@ def tensor_at(buf: memoryview | bytearray, offset: int, dtype: torch.dtype,
     if count == 0:
         return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(buf, dtype=dtype, count=count, offset=offset).view(shape)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """``bfloat16`` -> ``torch.bfloat16`` (names as in server.json)."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r} in server.json")
+    return dtype

@@ -11,13 +11,11 @@ hidden-state bytes in the dump dir.
 from __future__ import annotations
 
 import argparse
-import copy
 import errno
 import os
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,26 +23,42 @@ from typing import Any
 import requests
 
 from hsdump_patch import protocol
-from hsdump_patch.client import assemble, buffers, options, records, runner
-from hsdump_patch.client.conversation import (
+from hsdump_patch.client import buffers, options, runner
+from hsdump_patch.client.dumps import dumpdir
+from hsdump_patch.client.options import RunSettings
+from hsdump_patch.client.output import records
+from hsdump_patch.client.output.manifest import (
+    Manifest,
+    entry,
+    load_done,
+    plan_resume,
+    remove_stale_temps,
+    skip_done,
+)
+from hsdump_patch.client.output.report import ExtractReport, RunReport, print_summary
+from hsdump_patch.client.rows.conversation import (
     POLICIES,
     ChatRenderer,
-    ConversationError,
     chat_renderer,
 )
-from hsdump_patch.client.dataset import (
-    RowRef,
+from hsdump_patch.client.rows.dataset import (
     Sample,
     SampleError,
     Shard,
-    index_dataset,
+    index_shard,
     iter_samples,
+    render_key,
 )
-from hsdump_patch.client.manifest import Manifest, load_done, remove_stale_temps
-from hsdump_patch.client.mask import LOSS_MASKS, apply_convention
-from hsdump_patch.client.options import MAX_BACKOFF, RunSettings
-from hsdump_patch.client.report import Report, RunReport, print_summary
-from hsdump_patch.client.served import ServedPrompts, ServerDown, follow_chat_template
+from hsdump_patch.client.rows.mask import LOSS_MASKS, apply_convention
+from hsdump_patch.client.server.api import (
+    DuplicateRid,
+    Refused,
+    ServerClient,
+    ServerDown,
+    check_meta,
+)
+from hsdump_patch.client.server.served import ServedPrompts
+from hsdump_patch.client.server.tokenizer import follow_chat_template, load_tokenizer
 from hsdump_patch.protocol import (
     DEFAULT_DUMP_DIR,
     DEFAULT_RID_PREFIX,
@@ -65,12 +79,8 @@ class SampleFailed(RuntimeError):
     """One sample could not be extracted; the message says why."""
 
 
-class _DuplicateRid(RuntimeError):
-    """The server still runs a request with this rid (from a killed earlier run)."""
-
-
 @dataclass(kw_only=True)
-class Settings(RunSettings):
+class ExtractSettings(RunSettings):
     """Everything an extraction run needs besides the samples."""
 
     dump_dir: Path
@@ -81,131 +91,7 @@ class Settings(RunSettings):
     min_free_bytes: int = parse_size(DEFAULT_MIN_FREE, "")
     compress: bool = False
     allow_no_final: bool = False
-    loss_mask: str = "completion"  # a convention of hsdump_patch.client.mask
-
-
-# ------------------------------------------------------------------------------ HTTP
-
-
-class ServerClient:
-    """``/generate`` and ``/model_info`` with retries and backoff on connection errors."""
-
-    def __init__(self, url: str, *, request_timeout: float, retries: int,
-                 retry_wait: float) -> None:
-        self.url = url.rstrip("/")
-        self.request_timeout = request_timeout
-        self.retries = retries
-        self.retry_wait = retry_wait
-        self._local = threading.local()
-
-    def _session(self) -> requests.Session:
-        if not hasattr(self._local, "session"):
-            self._local.session = requests.Session()
-        return self._local.session
-
-    def _request(self, method: str, path: str, *,
-                 before_attempt: Callable[[], None] | None = None,
-                 **kw: Any) -> requests.Response:
-        """Send, re-sending after connection errors; ``before_attempt`` runs before each try."""
-        t0 = time.monotonic()
-        for attempt in range(self.retries + 1):
-            if before_attempt is not None:
-                before_attempt()
-            try:
-                return self._session().request(method, self.url + path, **kw)
-            except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError) as e:
-                last = e
-            if attempt < self.retries:
-                time.sleep(min(self.retry_wait * 2**attempt, MAX_BACKOFF))
-        raise ServerDown(
-            f"the server at {self.url} is unreachable: {self.retries + 1} attempts over "
-            f"{time.monotonic() - t0:.1f}s failed (last: {type(last).__name__}: {last}); check "
-            "that it is running and that --server is right (raise --retries to wait longer)")
-
-    def model_info(self) -> dict[str, Any]:
-        """The server's ``/model_info`` (model and tokenizer paths)."""
-        r = self._request("GET", "/model_info", timeout=30)
-        r.raise_for_status()
-        return r.json()
-
-    def server_args(self) -> dict[str, Any]:
-        """The server's resolved launch arguments (``/server_info``, older ``/get_server_info``);
-        empty when neither answers."""
-        for path in ("/server_info", "/get_server_info"):
-            r = self._request("GET", path, timeout=30)
-            if r.status_code == 200:
-                return r.json()
-        return {}
-
-    def tokenize_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                      template_kwargs: dict[str, Any] | None) -> list[int]:
-        """The prompt ids the server serves for a chat request of ``messages`` (SGLang's
-        ``/v1/tokenize``: its chat rendering with the generation prompt, no forward)."""
-        body: dict[str, Any] = {"messages": messages}
-        if tools:
-            body["tools"] = tools
-        if template_kwargs:
-            body["chat_template_kwargs"] = template_kwargs
-        return self.post_json("/v1/tokenize", body, ConversationError, lambda r: (
-            "the server could not render this row's chat request (/v1/tokenize answered HTTP "
-            f"{r.status_code}: {r.text[:300]})"))["tokens"]
-
-    def post_json(self, path: str, body: dict[str, Any], error: type[Exception],
-                  refused: Callable[[requests.Response], str | None] | None = None) -> Any:
-        """POST ``body`` (re-sent after connection errors) and return the JSON answer. No
-        answer within --request-timeout, or an answer other than 200, raises ``error``: for
-        the latter with ``refused(response)`` as the message when it gives one, else the
-        status and text."""
-        try:
-            r = self._request("POST", path, json=body, timeout=self.request_timeout)
-        except requests.Timeout:
-            raise error(f"no answer from the server's {path} within --request-timeout "
-                        f"{self.request_timeout:g}s") from None
-        if r.status_code != 200:
-            raise error((refused and refused(r))
-                        or f"{path} answered HTTP {r.status_code}: {r.text[:500]}")
-        return r.json()
-
-    def generate(self, rid: str, input_ids: list[int], *,
-                 before_attempt: Callable[[], None] | None = None) -> dict[str, Any]:
-        """Run a prefill-only request; return its ``meta_info``. ``before_attempt`` runs before
-        the first send and before every re-send after a connection error."""
-        body = {"rid": rid, "input_ids": input_ids,
-                "sampling_params": {"max_new_tokens": 0, "temperature": 0}}
-        r = self._request("POST", "/generate", json=body, timeout=self.request_timeout,
-                          before_attempt=before_attempt)
-        if r.status_code != 200:
-            text = r.text[:500]
-            if "Duplicate request ID" in text:
-                raise _DuplicateRid(text)
-            raise SampleFailed(f"the server answered HTTP {r.status_code}: {text}")
-        return r.json().get("meta_info", {})
-
-    def abort(self, rid: str) -> bool:
-        """Ask the server to abort ``rid`` (SGLang's ``/abort_request``; it aborts every rid
-        that starts with this one); False when the server did not take it."""
-        try:
-            r = self._session().post(self.url + "/abort_request", json={"rid": rid}, timeout=30)
-        except requests.RequestException:
-            return False  # unreachable: a server that is down runs nothing
-        return r.status_code == 200
-
-
-def check_meta(meta: dict[str, Any], sent: int) -> str | None:
-    """Return why a ``/generate`` answer shows the dump cannot be complete, or None."""
-    finish = meta.get("finish_reason")
-    if isinstance(finish, dict) and finish.get("type") == "abort":
-        return f"the server aborted the request: {finish.get('message')}"
-    if meta.get("prompt_tokens") != sent:
-        return (f"the server counted prompt_tokens={meta.get('prompt_tokens')} but {sent} token "
-                "ids were sent (was the prompt truncated? check the server's --context-length)")
-    cached = meta.get("cached_tokens")
-    if cached != 0:
-        return (f"the server reused cached_tokens={cached} prompt tokens from its radix cache; "
-                "those tokens were not recomputed, so they have no hidden states. Start the "
-                "server with --disable-radix-cache (the capture patch refuses to run without it, "
-                "so this server is probably not the one writing to --dump-dir)")
-    return None
+    loss_mask: str = "completion"  # a convention of hsdump_patch.client.rows.mask
 
 
 # ------------------------------------------------------------------------------ one sample
@@ -252,9 +138,10 @@ _FATAL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
 class Extraction:
     """One run: samples in, records out (see the module docstring)."""
 
-    def __init__(self, settings: Settings, info: protocol.ServerInfo, client: ServerClient,
-                 run_id: str) -> None:
+    def __init__(self, settings: ExtractSettings, info: protocol.ServerInfo, client: ServerClient,
+                 run_id: str, render_key: str) -> None:
         self.s = settings
+        self.render_key = render_key
         self.info = info
         self.client = client
         self.run_id = run_id
@@ -275,15 +162,15 @@ class Extraction:
         and ``_send`` comes back here after a pause.
         """
         if protocol.rid_dir(self.s.dump_dir, rid).exists():
-            assemble.wait_until_settled(self.s.dump_dir, rid, STALE_QUIET_S, self.s.dump_timeout)
-            assemble.remove_request(self.s.dump_dir, rid)
+            dumpdir.wait_until_settled(self.s.dump_dir, rid, STALE_QUIET_S, self.s.dump_timeout)
+            dumpdir.remove_request(self.s.dump_dir, rid)
 
     def _abort(self, rid: str) -> None:
         """Abort a request the client gave up on; remove its directory once the server has
         stopped writing to it (an aborted request gets no marker: it stays quiet)."""
         self.client.abort(rid)
         _wait_quiet(protocol.rid_dir(self.s.dump_dir, rid), STALE_QUIET_S, self.s.dump_timeout)
-        assemble.remove_request(self.s.dump_dir, rid)
+        dumpdir.remove_request(self.s.dump_dir, rid)
 
     def _send(self, rid: str, input_ids: list[int]) -> dict[str, Any]:
         """Send the request. Every attempt starts from an empty directory: an attempt cut short
@@ -295,7 +182,9 @@ class Extraction:
             try:
                 return self.client.generate(rid, input_ids,
                                             before_attempt=lambda: self._clear_stale(rid))
-            except _DuplicateRid:
+            except Refused as e:
+                raise SampleFailed(str(e)) from None
+            except DuplicateRid:
                 if time.monotonic() > deadline:
                     raise SampleFailed(
                         f"the server kept running an older request with rid {rid} for "
@@ -309,7 +198,7 @@ class Extraction:
         try:
             return self._process(sample)
         except BaseException:
-            assemble.remove_request(self.s.dump_dir, self.rid(sample.id))
+            dumpdir.remove_request(self.s.dump_dir, self.rid(sample.id))
             raise
 
     def _process(self, sample: Sample) -> Done:
@@ -322,7 +211,7 @@ class Extraction:
                                "(aborted on the server)") from None
         problem = check_meta(meta, len(sample.input_ids))
         if problem is None:
-            status = assemble.wait_for_marker(dump, rid, self.s.dump_timeout)
+            status = dumpdir.wait_for_marker(dump, rid, self.s.dump_timeout)
             if status is None:
                 problem = (
                     f"no done/error marker in {protocol.rid_dir(dump, rid)} within "
@@ -336,7 +225,7 @@ class Extraction:
         else:
             self._clear_stale(rid)
         if problem is not None:
-            assemble.remove_request(dump, rid)
+            dumpdir.remove_request(dump, rid)
             raise SampleFailed(problem)
         return self.write_record(sample)
 
@@ -347,11 +236,11 @@ class Extraction:
         with self._record_bufs.lend(records.RecordBuilder.nbytes(length, self.info)) as buf:
             try:
                 builder = records.RecordBuilder(self.s.fmt, length, self.info, buf)
-                chunks = assemble.read_request(dump, rid, sample.input_ids, self.info, builder,
+                chunks = dumpdir.read_request(dump, rid, sample.input_ids, self.info, builder,
                                                self._chunk_bufs)
             except protocol.ProtocolError as e:
                 raise SampleFailed(f"invalid dump: {e}") from None
-            assemble.remove_request(dump, rid)
+            dumpdir.remove_request(dump, rid)
             name = records.record_name(sample.id, self.s.fmt, self.s.compress)
             mask = apply_convention(sample.loss_mask, self.s.loss_mask)
             try:
@@ -367,16 +256,16 @@ class Extraction:
     # -------------------------------------------------------------------------- the run
 
     def run(self, items: Iterable[Sample | SampleError], total: int, manifest: Manifest,
-            report: Report) -> Report:
+            report: ExtractReport) -> ExtractReport:
         """Process ``items`` (samples or the errors of bad rows); fill and return ``report``."""
         runner.run(items, total, _ExtractJob(self, manifest, report), report, self.s)
         return report
 
-    def _wait_for_space(self, need: int, report: Report) -> None:
+    def _wait_for_space(self, need: int, report: ExtractReport) -> None:
         """With nothing in flight, wait (up to --dump-timeout) for room in the dump dir."""
         deadline = time.monotonic() + self.s.dump_timeout
         while True:
-            free = assemble.dump_free_bytes(self.s.dump_dir)
+            free = dumpdir.dump_free_bytes(self.s.dump_dir)
             if free - need >= self.s.min_free_bytes:
                 return
             if time.monotonic() > deadline:
@@ -397,7 +286,7 @@ class Extraction:
             if rid is None:
                 continue
             if protocol.request_status(self.s.dump_dir, rid).finished:
-                assemble.remove_request(self.s.dump_dir, rid)
+                dumpdir.remove_request(self.s.dump_dir, rid)
             else:
                 unfinished += 1
         return unfinished
@@ -409,7 +298,7 @@ class _ExtractJob(runner.Job[Sample, Done]):
 
     unit = "sample"
 
-    def __init__(self, extraction: Extraction, manifest: Manifest, report: Report) -> None:
+    def __init__(self, extraction: Extraction, manifest: Manifest, report: ExtractReport) -> None:
         self.extraction, self.manifest, self.report = extraction, manifest, report
 
     def process(self, item: Sample) -> Done:
@@ -429,9 +318,9 @@ class _ExtractJob(runner.Job[Sample, Done]):
         return f"{type(error).__name__}: {error}"  # anything else is local to this sample
 
     def finished(self, item: Sample, result: Done) -> str:
-        self.manifest.append({"id": item.id, "file": result.file,
-                              "tokens": len(item.input_ids), "trained": result.trained,
-                              "bytes": result.size, "digest": item.digest})
+        self.manifest.append(entry(item, self.extraction.render_key, file=result.file,
+                                   tokens=len(item.input_ids), trained=result.trained,
+                                   bytes=result.size))
         self.report.add_ok(len(item.input_ids), result.size, result.chunks, result.trained,
                            item.id)
         return f"{self.report.bytes / 1e9:.2f} GB"
@@ -443,7 +332,7 @@ class _ExtractJob(runner.Job[Sample, Done]):
         s = self.extraction.s
         if inflight + need > s.max_inflight_bytes:
             return False
-        return assemble.dump_free_bytes(s.dump_dir) - need >= s.min_free_bytes
+        return dumpdir.dump_free_bytes(s.dump_dir) - need >= s.min_free_bytes
 
     def wait_for_room(self, need: int, report: RunReport) -> bool:
         self.extraction._wait_for_space(need, self.report)
@@ -453,8 +342,8 @@ class _ExtractJob(runner.Job[Sample, Done]):
 # ------------------------------------------------------------------------------ set-up
 
 
-def connect(settings: Settings, rid_prefix: str | None) -> tuple[ServerClient, dict[str, Any],
-                                                                  protocol.ServerInfo]:
+def connect(settings: ExtractSettings,
+            rid_prefix: str | None) -> tuple[ServerClient, dict[str, Any], protocol.ServerInfo]:
     """Reach the server and read its ``server.json``; raise on any mismatch between them."""
     client = ServerClient(settings.server, request_timeout=settings.request_timeout,
                           retries=settings.retries, retry_wait=settings.retry_wait)
@@ -478,30 +367,25 @@ def connect(settings: Settings, rid_prefix: str | None) -> tuple[ServerClient, d
     return client, model_info, info
 
 
-def load_tokenizer(model: str, trust_remote_code: bool) -> Any:
-    """The model's own tokenizer (and chat template); custom code runs only when trusted (the
-    ``--trust-remote-code`` flag, or a server that runs with it)."""
-    from transformers import AutoTokenizer
+@dataclass
+class Prepared:
+    """A connected server and the rendering of its chat rows: what a run needs besides rows."""
 
-    try:
-        return AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code)
-    except ValueError as e:
-        if trust_remote_code or "trust_remote_code" not in str(e):
-            raise
-        raise ValueError(
-            f"the tokenizer of {model} needs its own code (custom code in the model dir), and "
-            "neither this client nor the server was told to trust it: add --trust-remote-code "
-            "to the hsdump command (the server needs --trust-remote-code too)") from None
+    client: ServerClient
+    info: protocol.ServerInfo
+    tokenizer_path: str
+    trust_remote_code: bool
+    renderer: ChatRenderer | None
+    served: ServedPrompts | None
+    chat_template_kwargs: dict[str, Any] | None
 
 
-def extract(settings: Settings, dataset: Path, *, shard: Shard | None = None,
-            model: str | None = None, max_len: int | None = None, rid_prefix: str | None = None,
-            trust_remote_code: bool = False, multi_turn: str = "auto",
-            reasoning_parser: str | None = None,
+def prepare(settings: ExtractSettings, *, model: str | None = None,
+            rid_prefix: str | None = None, trust_remote_code: bool = False,
+            multi_turn: str = "auto", reasoning_parser: str | None = None,
             chat_template_kwargs: dict[str, Any] | None = None,
-            prompt_check: str = "server") -> Report:
-    """Run one extraction; return its report."""
-    shard = shard or Shard()
+            prompt_check: str = "server") -> Prepared:
+    """Connect to the server and build the renderer its chat rows are rendered with."""
     client, model_info, info = connect(settings, rid_prefix)
     tokenizer_path = model or model_info.get("tokenizer_path") or info.model
     server_args = client.server_args()
@@ -513,30 +397,44 @@ def extract(settings: Settings, dataset: Path, *, shard: Shard | None = None,
     renderer = chat_renderer(tokenizer, multi_turn,
                              reasoning_parser or server_args.get("reasoning_parser"),
                              template_kwargs=chat_template_kwargs, check=served)
+    return Prepared(client, info, tokenizer_path, trust, renderer, served, chat_template_kwargs)
 
-    rows, bad_rows = index_dataset(dataset)
-    rows = [r for r in rows if shard.contains(r.id)]
-    bad_rows = [e for e in bad_rows if shard.contains(e.sample_id or e.where)]
+
+def extract(settings: ExtractSettings, dataset: Path, *, shard: Shard | None = None,
+            max_len: int | None = None, prepared: Prepared | None = None,
+            **how: Any) -> ExtractReport:
+    """Run one extraction (on ``prepared``, else on :func:`prepare` with ``how``); return its
+    report."""
+    shard = shard or Shard()
+    p = prepared or prepare(settings, **how)
+    client, info, renderer, served = p.client, p.info, p.renderer, p.served
+    tokenizer_path, trust, chat_template_kwargs = (p.tokenizer_path, p.trust_remote_code,
+                                                   p.chat_template_kwargs)
+
+    rows, bad_rows = index_shard(dataset, shard)
     settings.out.mkdir(parents=True, exist_ok=True)
     run_id = records.ensure_sidecar(settings.out, records.sidecar(
         settings.fmt, info, tokenizer=tokenizer_path, max_len=max_len, compress=settings.compress,
         trust_remote_code=trust, loss_mask=settings.loss_mask,
         chat_template_kwargs=chat_template_kwargs))
 
-    report = Report(shard=str(shard), fmt=settings.fmt, out=str(settings.out),
-                    dataset=str(dataset), server=settings.server)
-    run = Extraction(settings, info, client, run_id)
+    report = ExtractReport(shard=str(shard), fmt=settings.fmt, out=str(settings.out),
+                           dataset=str(dataset), server=settings.server)
+    key = render_key(renderer, max_len)
+    run = Extraction(settings, info, client, run_id, key)
     with Manifest(settings.out, shard) as manifest:
         done = load_done(settings.out)
         remove_stale_temps(settings.out, {records.record_name(r.id, settings.fmt,
                                                               settings.compress) for r in rows})
         run.sweep_dump_dir(r.id for r in rows)
-        redo = _check_done(dataset, [r for r in rows if r.id in done], done, renderer, max_len)
-        todo = [r for r in rows if r.id not in done or r.id in redo]
-        report.already_done = sum(r.id in done and r.id not in redo for r in rows)
-        items: list[Any] = list(bad_rows)
-        run.run(_chain(items, report.watch(iter_samples(dataset, todo, renderer, max_len))),
-                len(bad_rows) + len(todo), manifest, report)
+        todo, report.already_done = plan_resume(dataset, rows, done, key)
+
+        def count_done() -> None:
+            report.already_done += 1
+
+        samples = skip_done(iter_samples(dataset, todo, renderer, max_len), done, count_done)
+        run.run(_chain(list(bad_rows), report.watch(samples)), len(bad_rows) + len(todo),
+                manifest, report)
         report.leftover_dump_dirs = run.sweep_dump_dir(r.id for r in rows)
     report.prompts_checked_by_server = served.checked if served is not None else None
     return report
@@ -545,27 +443,6 @@ def extract(settings: Settings, dataset: Path, *, shard: Shard | None = None,
 def _chain(first: list[Any], rest: Iterable[Any]) -> Iterable[Any]:
     yield from first
     yield from rest
-
-
-def _check_done(dataset: Path, refs: list[RowRef], done: dict[str, dict[str, Any]],
-                renderer: ChatRenderer | None, max_len: int | None) -> set[str]:
-    """Check that already-extracted samples are unchanged in the dataset; return the ids of
-    the rows with a sample still to extract (a chat row may give several: --multi-turn)."""
-    row_at = {f"{dataset}:{r.line}": r.id for r in refs}
-    redo = set()
-    if renderer is not None and renderer.check is not None:
-        # Written samples passed the server's check when written; their digests cover the rest.
-        renderer = copy.copy(renderer)
-        renderer.check = None
-    for item in iter_samples(dataset, refs, renderer, max_len):
-        if isinstance(item, Sample) and item.id not in done:
-            redo.add(row_at[item.where])
-        elif isinstance(item, Sample) and item.digest != done[item.id].get("digest"):
-            raise ValueError(
-                f"{item.where}: sample {item.id!r} changed since its record was written (other "
-                "tokens, mask, --max-len or tokenizer); use a new --out directory, or delete its "
-                "record and rerun")
-    return redo
 
 
 # ------------------------------------------------------------------------------ CLI
@@ -636,15 +513,15 @@ def add_parser(subparsers: Any) -> None:
     p.set_defaults(func=main)
 
 
-def settings_from_args(args: argparse.Namespace, out: Path, **overrides: Any) -> Settings:
-    """Build Settings from parsed flags (``overrides`` win)."""
+def settings_from_args(args: argparse.Namespace, out: Path, **overrides: Any) -> ExtractSettings:
+    """Build ExtractSettings from parsed flags (``overrides`` win)."""
     values: dict[str, Any] = {
         **options.server_settings(args), "dump_dir": args.dump_dir, "out": out,
         "fmt": args.fmt, "dump_timeout": args.dump_timeout, "compress": args.compress,
         "allow_no_final": args.allow_no_final,
     }
     values.update(overrides)
-    return Settings(**values)
+    return ExtractSettings(**values)
 
 
 def main(args: argparse.Namespace) -> int:

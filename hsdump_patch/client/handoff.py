@@ -35,7 +35,7 @@ import torch
 from tqdm import tqdm
 
 from hsdump_patch import protocol
-from hsdump_patch.client.records import META_FILE
+from hsdump_patch.client.output.records import META_FILE
 from hsdump_patch.reader import load_record, manifest_entries
 
 # SpecForge 0.2.0 specforge/runtime/data_plane/offline_reader.py: _FEATURE_SUFFIXES

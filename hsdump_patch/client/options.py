@@ -14,14 +14,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hsdump_patch.client.dataset import Shard
+from hsdump_patch.client.rows.dataset import Shard
+from hsdump_patch.client.server.api import MAX_BACKOFF
 
 DEFAULT_SERVER = "http://127.0.0.1:30000"
 DEFAULT_REQUEST_TIMEOUT = 3600.0
 DEFAULT_RETRIES = 6
 DEFAULT_RETRY_WAIT = 1.0
 DEFAULT_MAX_CONSECUTIVE_ERRORS = 20
-MAX_BACKOFF = 30.0  # seconds: the longest pause between two retries
 
 
 @dataclass(kw_only=True)

@@ -24,20 +24,22 @@ from pathlib import Path
 from typing import Any
 
 from hsdump_patch import protocol
-from hsdump_patch.client import extract as ex
-from hsdump_patch.client import options, rows, runner
-from hsdump_patch.client.conversation import ConversationError, ThinkMarkers, decode
-from hsdump_patch.client.dataset import SampleError, Shard, index_dataset, read_row
+from hsdump_patch.client import options, runner
 from hsdump_patch.client.options import RunSettings
-from hsdump_patch.client.regen_plan import AGENT_POLICIES, DEFAULT_AGENT_POLICY, Plan, plan_row
-from hsdump_patch.client.report import (
+from hsdump_patch.client.output.report import (
     EXIT_STOPPED,
     RunReport,
     format_table,
     print_issues,
 )
-from hsdump_patch.client.rowlog import RowLog
-from hsdump_patch.client.served import follow_chat_template, request_messages
+from hsdump_patch.client.output.rowlog import RowLog
+from hsdump_patch.client.rows import schema as rows
+from hsdump_patch.client.rows.conversation import ConversationError, ThinkMarkers, decode
+from hsdump_patch.client.rows.dataset import SampleError, Shard, index_shard, read_row
+from hsdump_patch.client.rows.regen_plan import AGENT_POLICIES, DEFAULT_AGENT_POLICY, Plan, plan_row
+from hsdump_patch.client.server.api import ServerClient, ServerDown
+from hsdump_patch.client.server.served import request_messages
+from hsdump_patch.client.server.tokenizer import follow_chat_template, load_tokenizer
 
 DEFAULT_MAX_NEW_TOKENS = 4096
 DEFAULT_CONCURRENCY = 32
@@ -117,7 +119,7 @@ def split_reasoning(text: str, think: ThinkMarkers | None, opened: bool
 # ------------------------------------------------------------------------------ HTTP
 
 
-class RegenClient(ex.ServerClient):
+class RegenClient(ServerClient):
     """``/generate`` with sampling, and SGLang's reasoning / tool-call parser endpoints."""
 
     def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -130,7 +132,7 @@ class RegenClient(ex.ServerClient):
 
 
 @dataclass(kw_only=True)
-class Settings(RunSettings):
+class RegenSettings(RunSettings):
     """Everything a regeneration run needs besides the rows."""
 
     sampling: dict[str, Any]
@@ -171,7 +173,7 @@ def _tool_call_id(parser: str | None, row_id: str, turn: int, call: dict[str, An
 class Regenerator:
     """Generates the planned turns of one row after another."""
 
-    def __init__(self, s: Settings, client: RegenClient, tokenizer: Any,
+    def __init__(self, s: RegenSettings, client: RegenClient, tokenizer: Any,
                  parsers: dict[str, str | None], max_tokens: int | None) -> None:
         self.s = s
         self.client = client
@@ -411,7 +413,7 @@ class _RegenJob(runner.Job[Item, RowResult]):
     def failure(self, item: Item, error: Exception, report: RunReport) -> str:
         if not isinstance(error, RowFailed):  # server down, local fault: stop, do not spin
             where = item[1]
-            report.stop(f"{where}: {error}" if isinstance(error, ex.ServerDown)
+            report.stop(f"{where}: {error}" if isinstance(error, ServerDown)
                         else f"{where}: {type(error).__name__}: {error}")
             return f"{type(error).__name__}: {error}"
         return str(error)
@@ -421,7 +423,7 @@ class _RegenJob(runner.Job[Item, RowResult]):
         self.report.add_ok(item[0], result)
 
 
-def run(s: Settings, regen: Regenerator, items: Iterator[Item | SampleError], total: int,
+def run(s: RegenSettings, regen: Regenerator, items: Iterator[Item | SampleError], total: int,
         log: RowLog, report: RegenReport) -> None:
     """Regenerate ``items`` with bounded concurrency, appending finished rows to ``log``."""
     runner.run(items, total, _RegenJob(regen, log, report), report, s)
@@ -443,7 +445,7 @@ def regenerate(args: argparse.Namespace) -> RegenReport:
         print("hsdump regenerate: warning: --seed has no effect on this server: SGLang 0.5.23 "
               "uses sampling_seed only under --enable-deterministic-inference", file=sys.stderr)
     dataset: Path = args.dataset
-    tokenizer = ex.load_tokenizer(model, trust)
+    tokenizer = load_tokenizer(model, trust)
     follow_chat_template(tokenizer, server_args)
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"the tokenizer of {model} has no chat template: chat rows cannot be "
@@ -454,9 +456,7 @@ def regenerate(args: argparse.Namespace) -> RegenReport:
     regen = Regenerator(s, client, tokenizer, parsers, server_args.get("max_req_input_len"))
 
     shard: Shard = args.shard
-    refs, bad = index_dataset(dataset)
-    refs = [r for r in refs if shard.contains(r.id)]
-    bad = [e for e in bad if shard.contains(e.sample_id or e.where)]
+    refs, bad = index_shard(dataset, shard)
     report = RegenReport(shard=str(shard), out=str(s.out), dataset=str(dataset),
                          server=s.server, sampling=s.sampling,
                          max_new_tokens=s.max_new_tokens, agent_policy=s.agent_policy,
@@ -536,9 +536,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(["regenerate", *argv])
 
 
-def settings_from_args(args: argparse.Namespace, sampling: dict[str, Any]) -> Settings:
-    """Settings from parsed flags and the resolved sampling."""
-    return Settings(
+def settings_from_args(args: argparse.Namespace, sampling: dict[str, Any]) -> RegenSettings:
+    """RegenSettings from parsed flags and the resolved sampling."""
+    return RegenSettings(
         **options.server_settings(args), **options.run_settings(args), out=args.out,
         sampling=sampling, chat_template_kwargs=args.chat_template_kwargs,
         train_only_regenerated=args.train_only_regenerated,
@@ -553,7 +553,7 @@ def main(args: argparse.Namespace) -> int:
     """Run ``hsdump regenerate``; exit 0 all rows done, 3 with skipped/failed rows, 1 stopped."""
     try:
         report = regenerate(args)
-    except (ex.ServerDown, ValueError, RuntimeError, OSError) as e:
+    except (ServerDown, ValueError, RuntimeError, OSError) as e:
         print(f"hsdump regenerate: error: {e}", file=sys.stderr)
         return EXIT_STOPPED
     path = report_path(args)

@@ -17,8 +17,8 @@ from typing import Generic, Protocol, TypeVar
 
 from tqdm import tqdm
 
-from hsdump_patch.client.dataset import SampleError
-from hsdump_patch.client.report import ErrorPolicy, RunReport
+from hsdump_patch.client.output.report import ErrorPolicy, RunReport
+from hsdump_patch.client.rows.dataset import SampleError
 
 T = TypeVar("T")
 R = TypeVar("R")

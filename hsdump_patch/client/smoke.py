@@ -23,12 +23,15 @@ import torch
 
 from hsdump_patch import protocol
 from hsdump_patch.client import extract as ex
-from hsdump_patch.client import records
 from hsdump_patch.client import regenerate as rg
-from hsdump_patch.client.conversation import prompt_ids
-from hsdump_patch.client.dataset import ChatRenderer, Sample, index_dataset, iter_samples
-from hsdump_patch.client.manifest import load_done
-from hsdump_patch.client.rows import REGENERATED, TOKEN_IDS
+from hsdump_patch.client.buffers import torch_dtype
+from hsdump_patch.client.output import records
+from hsdump_patch.client.output.manifest import load_done
+from hsdump_patch.client.rows.conversation import prompt_ids
+from hsdump_patch.client.rows.dataset import Sample, index_dataset, iter_samples
+from hsdump_patch.client.rows.schema import REGENERATED, TOKEN_IDS
+from hsdump_patch.client.server.api import ServerDown
+from hsdump_patch.client.server.tokenizer import load_tokenizer
 
 DEFAULT_REPORT = "hsdump-smoke-report.json"
 _LONG = " ".join([
@@ -69,7 +72,7 @@ def check_record(rec: dict[str, Any], fmt: str, info: protocol.ServerInfo,
                  sample: Sample) -> list[str]:
     """Return the problems of one loaded record (empty when it is valid)."""
     n, h, k = len(sample.input_ids), info.hidden_size, len(info.layers)
-    dtype = records.torch_dtype(info.dtype)
+    dtype = torch_dtype(info.dtype)
     final_key = records.NEEDS_FINAL[fmt]
     if final_key not in rec:  # what the trainer indexes: the target is lm_head of it
         return [f"no {final_key} (the post-final-norm state {fmt} training needs): restart the "
@@ -206,20 +209,21 @@ def _run(args: argparse.Namespace, work: Path) -> int:
     settings = ex.settings_from_args(args, out, concurrency=1, on_error="skip")
     verdict: dict[str, Any] = {"server": args.server, "dump_dir": str(args.dump_dir)}
     try:
-        report = ex.extract(settings, dataset, model=args.model, max_len=args.max_len,
-                            rid_prefix=args.rid_prefix, trust_remote_code=args.trust_remote_code,
-                            multi_turn=args.multi_turn, reasoning_parser=args.reasoning_parser)
-        info = protocol.read_server_info(args.dump_dir)
-        meta = json.loads((out / records.META_FILE).read_text())
-        tokenizer = ex.load_tokenizer(meta["tokenizer"], bool(meta.get("trust_remote_code")))
+        prepared = ex.prepare(settings, model=args.model, rid_prefix=args.rid_prefix,
+                              trust_remote_code=args.trust_remote_code,
+                              multi_turn=args.multi_turn, reasoning_parser=args.reasoning_parser)
+        report = ex.extract(settings, dataset, max_len=args.max_len, prepared=prepared)
+        info = prepared.info
         refs, _ = index_dataset(dataset)
-        samples = [s for s in iter_samples(dataset, refs, ChatRenderer(
-            tokenizer, policy=args.multi_turn), args.max_len)
+        # The renderer extract used: the samples the records must hold.
+        samples = [s for s in iter_samples(dataset, refs, prepared.renderer, args.max_len)
                    if isinstance(s, Sample)]
+        tokenizer = prepared.renderer.tokenizer if prepared.renderer else load_tokenizer(
+            prepared.tokenizer_path, prepared.trust_remote_code)
         checks = validate(out, args.fmt, info, samples, report, pair)
         checks.append(check_regeneration(args, work, tokenizer))
         verdict["report"] = report.to_json()
-    except (ex.ServerDown, protocol.ProtocolError, ValueError, RuntimeError, OSError) as e:
+    except (ServerDown, protocol.ProtocolError, ValueError, RuntimeError, OSError) as e:
         checks = [("setup", False, str(e))]
     passed = all(ok for _, ok, _ in checks)
     verdict.update(passed=passed, checks=[{"check": n, "passed": ok, "detail": d}

@@ -46,9 +46,9 @@ from typing import Any
 import torch
 
 from hsdump_patch import protocol
-from hsdump_patch.client.assemble import read_request, wait_for_marker
-from hsdump_patch.client.records import RecordBuilder
-from hsdump_patch.client.report import format_table
+from hsdump_patch.client.dumps.dumpdir import read_request, wait_for_marker
+from hsdump_patch.client.output.records import RecordBuilder
+from hsdump_patch.client.output.report import format_table
 from hsdump_patch.ops import serve, verify_checks, verify_model
 from hsdump_patch.ops.verify_server import AUX_ARGS, CPU_SERVER_ARGS, VerifyServer, run_refused
 from hsdump_patch.protocol import ENV_DIR

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from hsdump_patch.client.applog import exclusive_lock, truncate_torn_line
-from hsdump_patch.client.dataset import Shard
+from hsdump_patch.client.output.jsonl import exclusive_lock, truncate_torn_line
+from hsdump_patch.client.rows.dataset import RowRef, Sample, Shard
 from hsdump_patch.reader import manifest_entries
 
 
@@ -25,6 +26,58 @@ def manifest_path(out_dir: Path, shard: Shard) -> Path:
 def load_done(out_dir: Path) -> dict[str, dict[str, Any]]:
     """Return ``id -> entry`` for every finished sample whose record exists (all shards)."""
     return {e["id"]: e for e in manifest_entries(out_dir) if (out_dir / e["file"]).is_file()}
+
+
+CHANGED = ("changed since its record was written (its bytes, or what renders it: tokenizer, chat "
+           "template, --chat-template-kwargs, --multi-turn, --reasoning-parser, --max-len); use a "
+           "new --out directory, or delete its record and rerun")
+
+
+def entry(sample: Sample, render_key: str, **fields: Any) -> dict[str, Any]:
+    """A manifest line for a finished sample: ``fields`` and the keys a resumed run checks."""
+    row = sample.row
+    return {**fields, "id": sample.id, "digest": sample.digest,
+            "row": row.id if row else sample.id, "row_key": row.key(render_key) if row else None,
+            "row_samples": sample.row_samples}
+
+
+def plan_resume(dataset: Path, rows: list[RowRef], done: dict[str, dict[str, Any]],
+                render_key: str) -> tuple[list[RowRef], int]:
+    """The rows that still have a sample to extract, and how many samples are done.
+
+    A row is finished when the manifest holds all its samples under its current key (a digest
+    of its bytes and the render settings): nothing is read or rendered again. A row whose key
+    differs raises ValueError. Rows with some samples done are returned, as are rows of a
+    manifest written before row keys existed; their done samples are checked and skipped as
+    they are rendered (:func:`skip_done`).
+    """
+    by_row: dict[str, list[dict[str, Any]]] = {}
+    for e in done.values():
+        if e.get("row_key"):
+            by_row.setdefault(e["row"], []).append(e)
+    todo, finished = [], 0
+    for r in rows:
+        entries = by_row.get(r.id, [])
+        if any(e["row_key"] != r.key(render_key) for e in entries):
+            raise ValueError(f"{dataset}:{r.line}: row {r.id!r} {CHANGED}")
+        if entries and len(entries) >= entries[0]["row_samples"]:
+            finished += len(entries)
+        else:
+            todo.append(r)
+    return todo, finished
+
+
+def skip_done(items: Iterable[Any], done: dict[str, dict[str, Any]],
+              skipped: Callable[[], None]) -> Iterator[Any]:
+    """Pass ``items`` (samples, errors) on, leaving out the samples already done (calling
+    ``skipped`` for each); a done sample whose tokens or mask differ raises ValueError."""
+    for item in items:
+        if isinstance(item, Sample) and item.id in done:
+            if item.digest != done[item.id].get("digest"):
+                raise ValueError(f"{item.where}: sample {item.id!r} {CHANGED}")
+            skipped()
+            continue
+        yield item
 
 
 class Manifest:

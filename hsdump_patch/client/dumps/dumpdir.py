@@ -1,4 +1,4 @@
-"""Reading one request's dump (client side of the file protocol) into a record builder.
+"""Reading one request's dump (client side of the file protocol) into a sink of chunks.
 
 Everything the server wrote is cross-checked against what the client sent: the rid, the
 layers, the shapes and dtype, contiguous coverage of ``[0, L)`` and the token ids of every
@@ -16,13 +16,19 @@ import struct
 import time
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from hsdump_patch import protocol
-from hsdump_patch.client.buffers import BufferPool, tensor_at
-from hsdump_patch.client.records import RecordBuilder, torch_dtype
+from hsdump_patch.client.buffers import BufferPool, tensor_at, torch_dtype
+
+
+class ChunkSink(Protocol):
+    """Where a request's chunks go (an output format's record builder)."""
+
+    def put(self, start: int, hidden: torch.Tensor) -> None:
+        """Take one chunk's ``hidden_states`` [n, S, H] for positions ``start .. start+n``."""
 
 
 def wait_for_marker(dump_dir: Path, rid: str, timeout: float) -> protocol.RequestStatus | None:
@@ -96,7 +102,7 @@ def _read_chunk(path: Path, buf: memoryview | bytearray,
 
 
 def read_request(dump_dir: Path, rid: str, input_ids: list[int], info: protocol.ServerInfo,
-                 builder: RecordBuilder, pool: BufferPool | None = None) -> int:
+                 builder: ChunkSink, pool: BufferPool | None = None) -> int:
     """Copy a finished request's chunks into ``builder``; return the number of chunks.
 
     Each chunk file is read into a buffer of ``pool`` (or a fresh one) and copied from there.

@@ -9,7 +9,7 @@ Accepted row shapes (one JSON object per line, blank lines ignored):
 ``id`` is optional (the 1-based line number is used instead). Chat rows (also with
 ``tool_calls``, ``tool`` messages, ``reasoning_content``, list-of-parts content, a row-level
 ``tools`` list and ``system``) are turned into serving-faithful samples by
-:mod:`hsdump_patch.client.conversation`; a row may give several samples (multi-turn policy).
+:mod:`hsdump_patch.client.rows.conversation`; a row may give several samples (multi-turn policy).
 """
 
 from __future__ import annotations
@@ -21,8 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from hsdump_patch.client.conversation import ChatRenderer, ConversationError, parse_conversation
-from hsdump_patch.client.served import ServerDown
+from hsdump_patch.client.rows.conversation import (
+    ChatRenderer,
+    ConversationError,
+    RenderCheckDown,
+    parse_conversation,
+)
 
 MAX_ID_CHARS = 200  # the id becomes a file name (percent-encoded)
 
@@ -39,11 +43,18 @@ class SampleError(ValueError):
 
 @dataclass(frozen=True)
 class RowRef:
-    """Where one dataset row is: its id, line number and byte offset in the file."""
+    """Where one dataset row is (its id, line number and byte offset in the file) and a digest
+    of its bytes."""
 
     id: str
     line: int
     offset: int
+    digest: str = ""
+
+    def key(self, render_key: str) -> str:
+        """The row's resume key: its bytes under the render settings ``render_key`` (the
+        manifest keeps it with the row's records; a resumed run compares it)."""
+        return hashlib.blake2b(f"{render_key}:{self.digest}".encode(), digest_size=16).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -56,6 +67,8 @@ class Sample:
     loss_mask: list[int]
     # On the first sample of a chat row that ``auto`` split into per-turn samples: why.
     fallback: str | None = None
+    row: RowRef | None = None  # the row it comes from
+    row_samples: int = 1  # how many samples that row gives
 
     @property
     def digest(self) -> str:
@@ -153,8 +166,16 @@ def index_dataset(path: Path) -> tuple[list[RowRef], list[SampleError]]:
                 errors.append(e)
                 continue
             seen[sample_id] = line_no
-            rows.append(RowRef(sample_id, line_no, start))
+            rows.append(RowRef(sample_id, line_no, start,
+                               hashlib.blake2b(raw.strip(), digest_size=16).hexdigest()))
     return rows, errors
+
+
+def index_shard(path: Path, shard: Shard) -> tuple[list[RowRef], list[SampleError]]:
+    """:func:`index_dataset`, kept to the rows (and malformed lines) of ``shard``."""
+    rows, errors = index_dataset(path)
+    return ([r for r in rows if shard.contains(r.id)],
+            [e for e in errors if shard.contains(e.sample_id or e.where)])
 
 
 def _int_list(value: Any, key: str, where: str) -> list[int]:
@@ -196,7 +217,7 @@ def _chat(obj: dict[str, Any], renderer: ChatRenderer | None,
         return [(t.suffix, t.input_ids, t.loss_mask) for t in turns], fallback
     except ConversationError as e:
         raise SampleError(where, str(e)) from None
-    except ServerDown:
+    except RenderCheckDown:
         raise  # the server checking the prompts went away: the run stops, the row is not bad
     except Exception as e:  # template errors come as jinja2 / ValueError / TypeError
         raise SampleError(where, f"the chat template failed on this row: {e}") from None
@@ -230,11 +251,18 @@ def load_samples(f: BinaryIO, path: Path, ref: RowRef, renderer: ChatRenderer | 
                 cut = f" within the first {max_len} tokens (--max-len)" if max_len else ""
                 raise SampleError(where, f"the loss mask is all zeros{cut}: the sample has no "
                                   "assistant tokens to train on")
-            out.append(Sample(ref.id + suffix, where, ids, mask, None if out else fallback))
+            out.append(Sample(ref.id + suffix, where, ids, mask, None if out else fallback, ref,
+                              len(parts)))
     except SampleError as e:
         e.sample_id = ref.id
         raise
     return out
+
+
+def render_key(renderer: ChatRenderer | None, max_len: int | None) -> str:
+    """A digest of the settings that turn a row's bytes into samples (:meth:`RowRef.key`)."""
+    settings = [renderer.fingerprint() if renderer is not None else None, max_len]
+    return hashlib.blake2b(json.dumps(settings).encode(), digest_size=16).hexdigest()
 
 
 def iter_samples(path: Path, refs: Sequence[RowRef], renderer: ChatRenderer | None,

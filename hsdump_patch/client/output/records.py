@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from hsdump_patch import __version__, protocol
-from hsdump_patch.client.buffers import tensor_at
+from hsdump_patch.client.buffers import tensor_at, torch_dtype
 from hsdump_patch.reader import load_record
 
 __all__ = ["load_record"]
@@ -87,14 +87,6 @@ def record_name(sample_id: str, fmt: str = "eagle3", compress: bool = False) -> 
         return stem + RECORD_SUFFIX + (".gz" if compress else "")
     group = hashlib.sha256(sample_id.encode("utf-8", "surrogatepass")).hexdigest()[:2]
     return f"rows_{group}/{stem}{SPECFORGE_SUFFIX}{'.gz' if compress else ''}"
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """``bfloat16`` -> ``torch.bfloat16`` (names as in server.json)."""
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r} in server.json")
-    return dtype
 
 
 def check_format(fmt: str, info: protocol.ServerInfo, allow_no_final: bool = False) -> None:
@@ -221,7 +213,7 @@ def sidecar(fmt: str, info: protocol.ServerInfo, *, tokenizer: str | None,
         "tokenizer": tokenizer,
         "trust_remote_code": trust_remote_code,
         "max_len": max_len,
-        "loss_mask_convention": loss_mask,  # hsdump_patch.client.mask
+        "loss_mask_convention": loss_mask,  # hsdump_patch.client.rows.mask
         "chat_template_kwargs": chat_template_kwargs,
     }
 

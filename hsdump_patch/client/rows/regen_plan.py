@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hsdump_patch.client.conversation import ConversationError, parse_conversation
-from hsdump_patch.client.dataset import SampleError
+from hsdump_patch.client.rows.conversation import ConversationError, parse_conversation
+from hsdump_patch.client.rows.dataset import SampleError
 
 AGENT_POLICIES = ("last", "all")
 DEFAULT_AGENT_POLICY = "last"

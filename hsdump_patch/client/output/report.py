@@ -99,7 +99,7 @@ class ErrorPolicy:
 
 
 @dataclass
-class Report(RunReport):
+class ExtractReport(RunReport):
     """What one extraction did; ``to_json`` is what is written next to the records."""
 
     shard: str
@@ -156,7 +156,7 @@ def format_table(rows: list[tuple[str, str]]) -> str:
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 
 
-def print_summary(report: Report, report_path: Path) -> None:
+def print_summary(report: ExtractReport, report_path: Path) -> None:
     """Print the end-of-run table, the issues (at most 20) and where the report is."""
     rows = [
         ("samples written", f"{report.ok:,}"),

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from hsdump_patch import protocol
-from hsdump_patch.client.applog import exclusive_lock, truncate_torn_line
+from hsdump_patch.client.output.jsonl import exclusive_lock, truncate_torn_line
 
 
 def _scan(path: Path) -> list[tuple[str, int, int]]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import json
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -30,7 +31,7 @@ from typing import Any
 
 import jinja2
 
-from hsdump_patch.client import rows
+from hsdump_patch.client.rows import schema as rows
 
 POLICIES = ("auto", "per-turn", "last")
 # ShareGPT speaker names -> chat-template roles.
@@ -43,6 +44,11 @@ SHAREGPT_ROLES = {
 }
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 _PROBE = [{"role": "user", "content": "x"}]
+
+
+class RenderCheckDown(RuntimeError):
+    """The check a renderer consults (the server's own prompt ids) cannot answer: the row is
+    not at fault, and the run cannot go on."""
 
 
 class ConversationError(ValueError):
@@ -60,6 +66,32 @@ class Conversation:
     request: list[dict[str, Any]] | None = None
 
 
+# The think markers of SGLang 0.5.23's reasoning parsers, by --reasoning-parser name: the
+# ``think_start_token`` / ``think_end_token`` of each detector in ``ReasoningParser.DetectorMap``
+# (sglang/srt/parser/reasoning_parser.py; ``response_template`` takes its markers from server
+# arguments and is left out). tests/test_client_dataset.py compares every entry with SGLang's.
+_THINK = ("<think>", "</think>")
+REASONING_MARKERS: dict[str, tuple[str, str]] = {
+    **dict.fromkeys(
+        ("deepseek-r1", "deepseek-v3", "deepseek-v4", "deepseek-v41", "dots", "glm45", "ling3",
+         "hunyuan", "kimi_k2", "mimo", "poolside_v1", "qwen3", "qwen3-thinking", "minimax",
+         "minimax-append-think", "nanbeige", "step3", "step3p5", "nemotron_3",
+         "granite_thinking_parser", "interns1", "gigachat35", "iquest_q1"), _THINK),
+    "apertus2509": ("<|inner_prefix|>", "<|inner_suffix|>"),
+    "beam": ("<|channel|>analysis<|message|>", "<|end|><|start|>assistant"),
+    "gpt-oss": ("<|channel|>analysis<|message|>", "<|end|>"),
+    "k2_horizon": ("<ifm|think>", "</ifm|think>"),
+    "kimi": ("\u25c1think\u25b7", "\u25c1/think\u25b7"),
+    "kimi_k3": ("<|open|>think<|sep|>", "<|close|>think<|sep|>"),
+    "muse": (" to=self<|message|>", "<|eom|>"),
+    "minimax-m3": ("<mm:think>", "</mm:think>"),
+    "mistral": ("[THINK]", "[/THINK]"),
+    "gemma4": ("<|channel>", "<channel|>"),
+    "inkling": ("<|content_thinking|>", "<|end_message|>"),
+    "cohere_command4": ("<|START_THINKING|>", "<|END_THINKING|>"),
+}
+
+
 @dataclass(frozen=True)
 class ThinkMarkers:
     """The model's reasoning delimiters, as its SGLang reasoning parser knows them."""
@@ -69,15 +101,15 @@ class ThinkMarkers:
 
     @classmethod
     def from_reasoning_parser(cls, name: str) -> ThinkMarkers:
-        """Markers of SGLang's reasoning parser ``name`` (``--reasoning-parser`` of the server).
-
-        Source: sglang 0.5.23, sglang/srt/parser/reasoning_parser.py (``ReasoningParser``
-        and its detectors; ``kimi_k2`` -> ``<think>`` / ``</think>``).
-        """
-        from sglang.srt.parser.reasoning_parser import ReasoningParser
-
-        detector = ReasoningParser(name).detector
-        return cls(detector.think_start_token, detector.think_end_token)
+        """Markers of SGLang's reasoning parser ``name`` (``--reasoning-parser`` of the server),
+        from :data:`REASONING_MARKERS` (the client does not need SGLang installed)."""
+        try:
+            return cls(*REASONING_MARKERS[name])
+        except KeyError:
+            raise ValueError(
+                f"unknown reasoning parser {name!r}: SGLang 0.5.23 has "
+                f"{', '.join(sorted(REASONING_MARKERS))}; pass one of them as "
+                "--reasoning-parser") from None
 
     @classmethod
     def from_vocab(cls, tokenizer: Any) -> ThinkMarkers | None:
@@ -428,6 +460,17 @@ class ChatRenderer:
         tail = answered[cut + len(answer):] if cut >= 0 else ""
         self.end_of_turn = tail.rstrip() or tail
         self.turn_separator = tail[len(self.end_of_turn):]
+
+    def fingerprint(self) -> str:
+        """A digest of everything besides a row's own bytes that decides its samples: the
+        policy, the chat template, its kwargs, the think markers and the vocabulary (with the
+        added tokens). A resumed run compares it instead of rendering finished rows again."""
+        h = hashlib.sha256()
+        h.update(json.dumps([self.policy, self.tokenizer.chat_template, self.template_kwargs,
+                             self.think and [self.think.start, self.think.end]],
+                            sort_keys=True, default=str).encode())
+        h.update(json.dumps(sorted(self.tokenizer.get_vocab().items())).encode())
+        return h.hexdigest()[:32]
 
     def _render(self, messages: Sequence[dict[str, Any]], generation_prompt: bool,
                 tools: list[dict[str, Any]] | None = None) -> str:
