@@ -284,6 +284,111 @@ def test_preflight_gpu_faults_xid_since_driver_load_row_remapper_recovery(ansibl
     assert "then reboot the host or reload the nvidia kernel modules" in flat
 
 
+# Stand-in for infiniband-diags' `ibstat` on a host with two InfiniBand HCAs and a RoCE NIC,
+# in its documented layout (CA '<name>', then per port State / Physical state / Rate / Link
+# layer); each port's state and physical state come from a file the test rewrites.
+IBSTAT = """#!/bin/sh
+while read -r hca state phys layer; do
+  printf "CA '%s'\\n\\tCA type: MT4129\\n\\tNumber of ports: 1\\n" "$hca"
+  printf "\\tFirmware version: 28.41.1000\\n"
+  printf "\\tHardware version: 0\\n\\tNode GUID: 0x9c63c003005548ae\\n\\tPort 1:\\n"
+  printf "\\t\\tState: %s\\n\\t\\tPhysical state: %s\\n\\t\\tRate: 400\\n" "$state" "$phys"
+  printf "\\t\\tBase lid: 987\\n\\t\\tLMC: 0\\n\\t\\tSM lid: 359\\n\\t\\tLink layer: %s\\n" "$layer"
+done < "$(dirname "$0")/ports"
+"""
+ALL_ACTIVE = ("mlx5_0 Active LinkUp InfiniBand\nmlx5_1 Active LinkUp InfiniBand\n"
+              "mlx5_2 Active LinkUp Ethernet\n")
+
+
+def _host_interface() -> tuple[str, str]:
+    """(name, IPv4 address) of this machine's first interface other than loopback and docker."""
+    for line in subprocess.run(["ip", "-4", "-o", "addr"], check=True, capture_output=True,
+                               text=True).stdout.splitlines():
+        fields = line.split()
+        if fields[1] != "lo" and not fields[1].startswith("docker"):
+            return fields[1], fields[3].split("/")[0]
+    pytest.skip("no network interface with an IPv4 address besides loopback")
+
+
+def test_preflight_multi_node_network_fails_clearly(ansible, tiny_models, tmp_path):
+    """A two-node replica over InfiniBand: the socket interface (unset, not on the host), the
+    RDMA devices, the HCA ports NCCL_IB_HCA selects (Down, no subnet manager), GPUDirect
+    (no peer-memory client) and memlock each fail preflight within a minute, naming the host,
+    the interface or HCA port and what to do; the good host passes. Stand-ins: `ibstat`, an
+    RDMA device node in a scratch /dev/infiniband, the peer-memory sysfs file."""
+    require(os.geteuid() == 0, "root (mknod of a stand-in RDMA device node)")
+    ifname, address = _host_interface()
+    bin_dir, devices = tmp_path / "bin", tmp_path / "infiniband"
+    bin_dir.mkdir()
+    devices.mkdir()
+    (bin_dir / "ibstat").write_text(IBSTAT)
+    (bin_dir / "ibstat").chmod(0o755)
+    ports = bin_dir / "ports"
+    ports.write_text(ALL_ACTIVE)
+    subprocess.run(["mknod", str(devices / "uverbs0"), "c", "231", "192"], check=True)
+    peermem = tmp_path / "memory_peers" / "nvidia-peermem" / "version"
+    peermem.parent.mkdir(parents=True)
+    peermem.write_text("1.0\n")
+    good = {"hsdump_server_nnodes": 2, "hsdump_server_tp_size": 16, "hsdump_server_node_rank": 1,
+            "hsdump_server_dist_init_addr": f"{address}:50000", "hsdump_net_ib": True,
+            "hsdump_net_socket_ifname": ifname, "hsdump_net_ib_devices_dir": str(devices),
+            "hsdump_net_ib_hca": "=mlx5_0,mlx5_1", "hsdump_net_gdr": "peermem",
+            "hsdump_preflight_peermem_files": [str(peermem)],
+            "hsdump_server_ulimits": ["memlock:-1:-1", "stack:67108864:67108864"],
+            "hsdump_model_dir": str(tiny_models / "tiny-llama")}
+
+    def run(**changes) -> str:
+        started = time.monotonic()
+        r = ansible.playbook("deploy.yml", ONE_HOST, tags="preflight", path_prepend=bin_dir,
+                             extra={**good, **changes})
+        flat = " ".join(r.output.split())
+        assert time.monotonic() - started < 60, flat[-2000:]
+        assert r.rc != 0 and r.recap()["cpu-host"]["failed"] == 1, flat[-3000:]
+        return flat
+
+    passed = ansible.playbook("deploy.yml", ONE_HOST, tags="preflight", path_prepend=bin_dir,
+                              extra=good)
+    passed.assert_ok("preflight of a good InfiniBand node")
+    for task in ("check the socket interface of the multi-node replica",
+                 "check the HCA ports NCCL will use", "check GPUDirect RDMA", "check memlock"):
+        assert f"Preflight | {task}" in passed.output
+    flat = run(hsdump_net_socket_ifname="")
+    assert ("cpu-host is node 1 of a 2-node replica, and hsdump_net_socket_ifname=\"\" is empty: "
+            "NCCL (bootstrap, out-of-band) and PyTorch gloo would bind the address the hostname "
+            "resolves to (127.0.1.1 on Ubuntu)") in flat, flat[-3000:]
+    assert f"network of hsdump_server_dist_init_addr ({address}:50000)" in flat
+    flat = run(hsdump_net_socket_ifname="ib9")
+    assert "hsdump_net_socket_ifname=\"ib9\" is not an interface of this host (it has " in flat
+    flat = run(hsdump_net_ib_devices_dir=str(tmp_path / "none"))
+    assert (f"cpu-host has no RDMA devices (no uverbs* in {tmp_path / 'none'}), but hsdump_net_ib "
+            "asks for InfiniBand/RoCE: NCCL would fall back to TCP sockets") in flat, flat[-3000:]
+    ports.write_text(ALL_ACTIVE.replace("mlx5_1 Active LinkUp", "mlx5_1 Down Polling"))
+    flat = run()
+    assert ("cpu-host: HCA ports selected by NCCL_IB_HCA==mlx5_0,mlx5_1 (hsdump_net_ib_hca) are not"
+            " Active (mlx5_1 port 1: State Down, Physical state Polling, InfiniBand)") in flat, \
+        flat[-3000:]
+    assert "Down / Polling: check the cable" in flat and '(e.g. "^mlx5_1")' in flat
+    # Leaving the Down port out (NCCL_IB_HCA's exclusion syntax) passes.
+    run_ok = ansible.playbook("deploy.yml", ONE_HOST, tags="preflight", path_prepend=bin_dir,
+                              extra={**good, "hsdump_net_ib_hca": "^mlx5_1"})
+    run_ok.assert_ok("preflight with the Down port excluded")
+    ports.write_text("mlx5_0 Initializing LinkUp InfiniBand\nmlx5_1 Initializing LinkUp "
+                     "InfiniBand\n")
+    flat = run(hsdump_net_ib_hca="")
+    assert ("cpu-host: no HCA port is Active (mlx5_0 port 1: State Initializing, Physical state "
+            "LinkUp, InfiniBand; mlx5_1 port 1: State Initializing") in flat, flat[-3000:]
+    assert "Initializing: no subnet manager answers on this InfiniBand fabric" in flat
+    ports.write_text(ALL_ACTIVE)
+    peermem.unlink()
+    flat = run()
+    assert (f"cpu-host: hsdump_net_gdr=peermem but no peer-memory client is registered (none of "
+            f"{peermem}): NCCL would stage every transfer through host memory. Load "
+            "nvidia-peermem (`modprobe nvidia-peermem`") in flat, flat[-3000:]
+    flat = run(hsdump_net_gdr="none", hsdump_server_ulimits=[])
+    assert ("cpu-host: hsdump_server_ulimits=[] does not give the containers an unlimited "
+            "memlock, which RDMA needs") in flat, flat[-3000:]
+
+
 def _remount_shm(size: int) -> None:
     subprocess.run(["mount", "-o", f"remount,size={size // 1024}k", "/dev/shm"], check=True)
 
