@@ -1119,6 +1119,130 @@ def test_fail_fast_on_a_worker_node_with_logs_from_every_node(ansible, docker_en
         assert log.strip() and " ".join(log.split()[-20:]) in flat, host
 
 
+# Stand-ins for a two-node replica over InfiniBand, in one image: torchrun + NCCL for the
+# all-reduce check (`python3 -m torch.distributed.run ...`) decide the transport as NCCL does
+# from what the container has (uverbs devices in /dev/infiniband and CAP_IPC_LOCK: IB, else
+# "No device found" and sockets, or an error under NCCL_NET=IB) and print NCCL_DEBUG=INFO's
+# lines for it (GPUDirect as HSDUMP_TEST_GDR says: the host's peer-memory state); the
+# server (`hsdump serve`) answers /ready on node 0 and idles on the worker.
+TORCHRUN_NCCL = r"""#!/bin/sh
+rank=0; for a; do case $a in --node-rank=*) rank=${a#*=};; esac; done
+h=$(hostname); ifn=${NCCL_SOCKET_IFNAME#=}; addr="$ifn:10.0.0.$((rank + 1))<0>"
+log() { echo "$h:$$:$$ [0] NCCL INFO $*"; }
+[ -z "$NCCL_SOCKET_IFNAME" ] || log "NCCL_SOCKET_IFNAME set by environment to $NCCL_SOCKET_IFNAME"
+log "Bootstrap : Using $addr"
+cap=$(sed -n 's/^CapEff:[[:space:]]*//p' /proc/self/status)
+if ls /dev/infiniband/uverbs* >/dev/null 2>&1 && [ $(( (0x$cap >> 14) & 1 )) = 1 ]; then
+  [ -z "$NCCL_IB_HCA" ] || log "NCCL_IB_HCA set to $NCCL_IB_HCA"
+  log "NET/IB : Using [0]mlx5_0:1/IB [1]mlx5_1:1/IB [RO]; OOB $addr"
+  log "Using network IB"
+  if [ -n "$HSDUMP_TEST_GDR" ]; then
+    log "NET/IB : GPU Direct RDMA ($HSDUMP_TEST_GDR) enabled for HCA 0 'mlx5_0"; net=NET/IB/0/GDRDMA
+  else log "NET/IB : GPU Direct RDMA Disabled for HCA 0 'mlx5_0'"; net=NET/IB/0; fi
+else
+  log "NET/IB : No device found."
+  [ "$NCCL_NET" != IB ] || { echo "$h:$$:$$ [0] NCCL WARN Error: network IB not found."; exit 1; }
+  log "NET/Socket : Using [0]$addr"; log "Using network Socket"; net=NET/Socket/0
+fi
+log "Channel 00/0 : $((2 * rank))[0] -> $((2 * rank + 1))[1] via P2P/CUMEM"
+log "Channel 00/0 : $((2 * rank + 1))[1] -> $((2 - 2 * rank))[0] [send] via $net"
+log "Channel 00/0 : $((3 - 2 * rank))[1] -> $((2 * rank))[0] [receive] via $net"
+[ "$rank" != 0 ] || echo '{"ok": true, "world": 4, "backend": "nccl", "mib": 4, "seconds": 0.01}'
+"""
+SERVE_READY = """#!/bin/sh
+[ "${HSDUMP_NODE_RANK:-0}" = 0 ] || exec sleep infinity
+mkdir -p /tmp/www && touch /tmp/www/ready
+exec /usr/bin/python3 -m http.server --bind "$HSDUMP_PROBE_HOST" "$HSDUMP_PORT" --directory /tmp/www
+"""
+
+
+def test_multi_node_ib_containers_and_the_nccl_transport_check(ansible, docker_engine,
+                                                               tiny_models, tmp_path):
+    """Two nodes (both this machine) of a replica with hsdump_net_ib: the all-reduce check runs
+    as one job across the nodes, its containers and the servers get /dev/infiniband,
+    CAP_IPC_LOCK and NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME/NCCL_IB_HCA/NCCL_NET, and NCCL's log
+    proves NET/IB with GPUDirect; a second run changes nothing. NCCL without GPUDirect, and
+    NCCL falling back to sockets (no uverbs device in the container), fail before the server
+    starts, naming the host and what NCCL logged."""
+    require(os.geteuid() == 0, "root (mknod of a stand-in RDMA device node)")
+    ifname, address = _host_interface()
+    image = f"hsdump-ansible-ib:ci-{uuid.uuid4().hex[:8]}"
+    builder = _docker("create", _debian_image(), "true").strip()
+    for name, body in (("python3", TORCHRUN_NCCL), ("hsdump-serve", SERVE_READY)):
+        script = tmp_path / name
+        script.write_text(body)
+        script.chmod(0o755)
+        _docker("cp", str(script), f"{builder}:/usr/local/bin/{name}")
+    _docker("commit", "--change", 'ENTRYPOINT ["/usr/local/bin/hsdump-serve"]', builder, image)
+    _docker("rm", builder)
+    devices, empty = tmp_path / "infiniband", tmp_path / "no-uverbs"
+    devices.mkdir()
+    empty.mkdir()
+    subprocess.run(["mknod", str(devices / "uverbs0"), "c", "231", "192"], check=True)
+    # A host whose ib_uverbs is not loaded: rdma_cm only, no uverbs device for NCCL.
+    subprocess.run(["mknod", str(empty / "rdma_cm"), "c", "10", "58"], check=True)
+    v = server_vars(image, tiny_models, tmp_path)
+    base = v.pop("hsdump_container_name")
+    names = {h: f"{base}-{h[-1]}" for h in ("cpu-node-0", "cpu-node-1")}
+    inventory = tmp_path / "inventory.yml"
+    inventory.write_text(yaml.safe_dump({"all": {"children": {"hsdump_hosts": {
+        "hosts": {h: {"hsdump_server_node_rank": int(h[-1]), "hsdump_container_name": names[h]}
+                  for h in names},
+        "vars": {"ansible_connection": "local",
+                 "ansible_python_interpreter": "{{ ansible_playbook_python }}",
+                 "ansible_become": False}}}}}))
+    v.update({"hsdump_server_nnodes": 2, "hsdump_server_tp_size": 4,
+              "hsdump_server_dist_init_addr": f"{address}:{free_port()}",
+              "hsdump_net_allreduce_port": free_port(), "hsdump_server_allreduce": True,
+              "hsdump_server_allreduce_backend": "nccl", "hsdump_server_allreduce_nproc": 2,
+              "hsdump_net_ib": True, "hsdump_net_socket_ifname": ifname,
+              "hsdump_net_ib_hca": "=mlx5_0,mlx5_1", "hsdump_net_ib_devices_dir": str(devices),
+              "hsdump_net_gdr": "peermem",
+              "hsdump_server_env": {"HSDUMP_TEST_GDR": "nvidia-peermem"}})
+    try:
+        first = ansible.playbook("deploy.yml", inventory, tags="server", extra=v)
+        first.assert_ok("deploy.yml --tags server, two nodes over InfiniBand")
+        flat = " ".join(first.output.split())
+        assert ("NCCL ran the all-reduce across 2 nodes over NET/IB (mlx5_0:1/IB, mlx5_1:1/IB): "
+                "2 channel connections via NET/IB/0/GDRDMA; GPUDirect RDMA: nvidia-peermem") \
+            in flat, flat[-3000:]
+        for name in names.values():
+            host_config = json.loads(_docker("inspect", name))[0]["HostConfig"]
+            env = dict(e.split("=", 1) for e in json.loads(_docker("inspect", name))[0]
+                       ["Config"]["Env"])
+            assert host_config["Devices"] == [{"PathOnHost": str(devices),
+                                               "PathInContainer": "/dev/infiniband",
+                                               "CgroupPermissions": "rwm"}], host_config
+            assert {c.removeprefix("CAP_") for c in host_config["CapAdd"]} == {"IPC_LOCK"}
+            assert {k: env.get(k) for k in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME",
+                                            "NCCL_IB_HCA", "NCCL_NET")} == {
+                "NCCL_SOCKET_IFNAME": f"={ifname}", "GLOO_SOCKET_IFNAME": ifname,
+                "NCCL_IB_HCA": "=mlx5_0,mlx5_1", "NCCL_NET": "IB"}, env
+        again = ansible.playbook("deploy.yml", inventory, tags="server", extra=v)
+        again.assert_ok("deploy.yml --tags server, second run")
+        assert {h: r["changed"] for h, r in again.recap().items()} == dict.fromkeys(names, 0)
+        no_gdr = ansible.playbook("deploy.yml", inventory, tags="server",
+                                  extra={**v, "hsdump_server_env": {"HSDUMP_TEST_GDR": ""}})
+        flat = " ".join(no_gdr.output.split())
+        assert no_gdr.rc != 0, flat[-3000:]
+        assert ("The all-reduce across the 2 nodes of the replica did not run over "
+                "InfiniBand/RoCE on cpu-node-0 (node 0): channels via NET/IB/0: without "
+                "/GDRDMA, GPUDirect RDMA is off (NCCL: mlx5_0 GPU Direct RDMA Disabled)") \
+            in flat, flat[-3000:]
+        sockets = ansible.playbook("deploy.yml", inventory, tags="server", extra={
+            **v, "hsdump_net_ib_devices_dir": str(empty), "hsdump_net_nccl_net": ""})
+        flat = " ".join(sockets.output.split())
+        assert sockets.rc != 0, flat[-3000:]
+        assert ("did not run over InfiniBand/RoCE on cpu-node-1 (node 1): NCCL chose network "
+                "Socket (\"NET/IB : No device found\": the container sees no usable HCA port), "
+                "so every cross-node all-reduce would go over TCP sockets") in flat, flat[-3000:]
+        assert "HCA ports NCCL used: none" in flat
+    finally:
+        for name in names.values():
+            _docker("rm", "-f", name, f"{name}-allreduce", check=False)
+        _docker("rmi", image, check=False)
+
+
 @pytest.fixture(scope="module")
 def deployment(ansible, host_shm, docker_engine, hsdump_image, tiny_models,
                tmp_path_factory) -> Iterator[Deployment]:
