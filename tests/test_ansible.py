@@ -536,8 +536,9 @@ DRIVER_PACKAGES = ("nvidia-headless-no-dkms-580-server-open", "libnvidia-compute
                    "linux-modules-nvidia-580-server-open-generic")
 # Stand-ins for the host's tools, printing what the real ones print: `mokutil --sb-state`
 # ("SecureBoot enabled"), `modinfo -F version nvidia`, modprobe (silent on success; its
-# "Module ... not found" otherwise; the loaded module appears under /sys/module), systemctl
-# (the unit properties `systemctl show` prints, `is-enabled`; every action logged), the
+# "Module ... not found", or "could not insert ...: Invalid argument" as for nvidia-peermem
+# on an inbox ib_core, otherwise; the loaded module appears under /sys/module, "-" as "_"),
+# systemctl (the unit properties `systemctl show` prints, `is-enabled`; every action logged), the
 # `nvidia-smi -q` Fabric section of an HGX GPU (the states of FABRIC_STATES one call after the
 # other, the last one for good), and a reboot that loads the module version of NEXT_LOADED.
 SYS_MODULE = "/run/hsdump-test-sys-module"
@@ -552,7 +553,10 @@ HOST_TOOLS = {
     "modprobe": f"""if [ -e /run/hsdump-test-no-$1 ]; then
   echo "modprobe: FATAL: Module $1 not found in directory /lib/modules/$(uname -r)" >&2; exit 1
 fi
-mkdir -p {SYS_MODULE}/$1""",
+if [ -e /run/hsdump-test-einval-$1 ]; then
+  echo "modprobe: ERROR: could not insert '$(echo $1 | tr - _)': Invalid argument" >&2; exit 1
+fi
+mkdir -p {SYS_MODULE}/$(echo $1 | tr - _)""",
     "systemctl": f"""d={SYSTEMD}; mkdir -p $d; u=${{2%.service}}
 case $1 in
   daemon-reload) ;;
@@ -829,6 +833,64 @@ def test_cdi_spec_follows_the_driver_and_docker_before_28_2_gets_features_cdi(an
     finally:
         host.sh("rm -f /usr/local/bin/nvidia-smi /usr/local/bin/nvidia-ctk /usr/local/bin/docker"
                 " /usr/local/bin/systemctl /usr/local/sbin/systemctl-refresh", check=False)
+
+
+RDMA_MODULES = ("mlx5_ib", "ib_uverbs", "rdma_ucm")
+
+
+def test_rdma_role_loads_modules_and_peermem_and_raises_memlock(ansible, debian_host, host_tools):
+    """hsdump_rdma on Debian: --check changes nothing; it installs rdma-core, ibverbs-utils and
+    infiniband-diags (Debian's packages), loads mlx5_ib, ib_uverbs and rdma_ucm now and at
+    boot, and raises memlock for every login; nvidia-peermem refused by an inbox ib_core
+    ("Invalid argument") stops the play with hsdump_net_gdr=peermem, naming DOCA-OFED and
+    DMA-BUF, and is left to preflight with auto; once it loads it is loaded at boot too; second
+    runs change nothing. Stand-ins: HOST_TOOLS' modprobe and a scratch /sys/module."""
+    host = debian_host
+    modules_load, limits = "/etc/modules-load.d/hsdump-rdma.conf", \
+        "/etc/security/limits.d/90-hsdump-rdma.conf"
+    host.sh(f"rm -rf {SYS_MODULE} {modules_load} {limits} /run/hsdump-test-no-mlx5_ib; "
+            "touch /run/hsdump-test-einval-nvidia-peermem")
+    # What the package module installs on its first real run, which --check cannot.
+    host.sh("apt-get install -qq -y python3-apt >/dev/null")
+    v = {"hsdump_net_ib": True, "hsdump_net_gdr": "peermem",
+         "hsdump_rdma_sys_module_dir": SYS_MODULE}
+
+    def run(check: bool = False, **extra) -> tuple[Run, str]:
+        r = ansible.playbook(CASES / "rdma.yml", host.inventory, extra={**v, **extra},
+                             check=check)
+        return r, " ".join(r.output.split())
+
+    check, _ = run(check=True)
+    check.assert_ok("rdma.yml --check")
+    assert host.sh(f"ls {modules_load} {limits} 2>/dev/null", check=False) == ""
+    refused, flat = run()
+    assert refused.rc != 0, flat[-3000:]
+    assert ("debian-host: modprobe: ERROR: could not insert 'nvidia_peermem': Invalid argument. "
+            "nvidia-peermem needs the peer-memory API of MLNX_OFED / DOCA-OFED's ib_core") \
+        in flat, flat[-3000:]
+    assert "hsdump_net_gdr=dmabuf" in flat and "The HCA driver" not in flat
+    installed = host.sh("dpkg-query -W -f='${Package} ${db:Status-Status}\\n' rdma-core "
+                        "ibverbs-utils infiniband-diags")
+    assert sorted(installed.splitlines()) == ["ibverbs-utils installed",
+                                              "infiniband-diags installed",
+                                              "rdma-core installed"], installed
+    assert sorted(host.sh(f"ls {SYS_MODULE}").split()) == sorted(RDMA_MODULES)
+    auto, flat = run(hsdump_net_gdr="auto")
+    auto.assert_ok("rdma.yml with hsdump_net_gdr=auto and no peer-memory API")
+    assert host.sh(f"grep -v '^#' {modules_load}").split() == list(RDMA_MODULES)
+    assert "root hard memlock unlimited" in host.sh(f"cat {limits}")
+    again, _ = run(hsdump_net_gdr="auto")
+    again.assert_ok("rdma.yml, second run")
+    assert again.recap()["debian-host"]["changed"] == 0, again.output[-3000:]
+    host.sh("rm /run/hsdump-test-einval-nvidia-peermem")  # DOCA-OFED's ib_core, say
+    loaded, _ = run()
+    loaded.assert_ok("rdma.yml with nvidia-peermem loading")
+    assert loaded.recap()["debian-host"]["changed"] == 2, loaded.output[-3000:]
+    assert host.sh(f"grep -v '^#' {modules_load}").split() == [*RDMA_MODULES, "nvidia-peermem"]
+    assert host.sh(f"ls -d {SYS_MODULE}/nvidia_peermem").strip()
+    last, _ = run()
+    last.assert_ok("rdma.yml, second run with nvidia-peermem")
+    assert last.recap()["debian-host"]["changed"] == 0, last.output[-3000:]
 
 
 # ----------------------------------------------------------------------------- deploy sequence
