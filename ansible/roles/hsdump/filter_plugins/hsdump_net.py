@@ -85,9 +85,9 @@ def hsdump_nccl_net(text: str) -> dict:
             networks.append(m["net"])
         if m := CHANNEL_VIA.search(line):
             via.append(m["via"])
-        if m := GDR.search(line):
-            if m["how"] or m["hca"] not in gdr:  # "enabled" wins over an earlier "Disabled"
-                gdr[m["hca"]] = m["how"] or "Disabled"
+        # An "enabled" line wins over an earlier "Disabled" for the same HCA.
+        if (m := GDR.search(line)) and (m["how"] or m["hca"] not in gdr):
+            gdr[m["hca"]] = m["how"] or "Disabled"
         if m := WARN.search(line):
             warnings.append(m["msg"])
     return {"networks": sorted(set(networks)), "ib_ports": sorted(set(ib_ports)),
