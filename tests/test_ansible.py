@@ -284,6 +284,111 @@ def test_preflight_gpu_faults_xid_since_driver_load_row_remapper_recovery(ansibl
     assert "then reboot the host or reload the nvidia kernel modules" in flat
 
 
+# Stand-in for infiniband-diags' `ibstat` on a host with two InfiniBand HCAs and a RoCE NIC,
+# in its documented layout (CA '<name>', then per port State / Physical state / Rate / Link
+# layer); each port's state and physical state come from a file the test rewrites.
+IBSTAT = """#!/bin/sh
+while read -r hca state phys layer; do
+  printf "CA '%s'\\n\\tCA type: MT4129\\n\\tNumber of ports: 1\\n" "$hca"
+  printf "\\tFirmware version: 28.41.1000\\n"
+  printf "\\tHardware version: 0\\n\\tNode GUID: 0x9c63c003005548ae\\n\\tPort 1:\\n"
+  printf "\\t\\tState: %s\\n\\t\\tPhysical state: %s\\n\\t\\tRate: 400\\n" "$state" "$phys"
+  printf "\\t\\tBase lid: 987\\n\\t\\tLMC: 0\\n\\t\\tSM lid: 359\\n\\t\\tLink layer: %s\\n" "$layer"
+done < "$(dirname "$0")/ports"
+"""
+ALL_ACTIVE = ("mlx5_0 Active LinkUp InfiniBand\nmlx5_1 Active LinkUp InfiniBand\n"
+              "mlx5_2 Active LinkUp Ethernet\n")
+
+
+def _host_interface() -> tuple[str, str]:
+    """(name, IPv4 address) of this machine's first interface other than loopback and docker."""
+    for line in subprocess.run(["ip", "-4", "-o", "addr"], check=True, capture_output=True,
+                               text=True).stdout.splitlines():
+        fields = line.split()
+        if fields[1] != "lo" and not fields[1].startswith("docker"):
+            return fields[1], fields[3].split("/")[0]
+    pytest.skip("no network interface with an IPv4 address besides loopback")
+
+
+def test_preflight_multi_node_network_fails_clearly(ansible, tiny_models, tmp_path):
+    """A two-node replica over InfiniBand: the socket interface (unset, not on the host), the
+    RDMA devices, the HCA ports NCCL_IB_HCA selects (Down, no subnet manager), GPUDirect
+    (no peer-memory client) and memlock each fail preflight within a minute, naming the host,
+    the interface or HCA port and what to do; the good host passes. Stand-ins: `ibstat`, an
+    RDMA device node in a scratch /dev/infiniband, the peer-memory sysfs file."""
+    require(os.geteuid() == 0, "root (mknod of a stand-in RDMA device node)")
+    ifname, address = _host_interface()
+    bin_dir, devices = tmp_path / "bin", tmp_path / "infiniband"
+    bin_dir.mkdir()
+    devices.mkdir()
+    (bin_dir / "ibstat").write_text(IBSTAT)
+    (bin_dir / "ibstat").chmod(0o755)
+    ports = bin_dir / "ports"
+    ports.write_text(ALL_ACTIVE)
+    subprocess.run(["mknod", str(devices / "uverbs0"), "c", "231", "192"], check=True)
+    peermem = tmp_path / "memory_peers" / "nvidia-peermem" / "version"
+    peermem.parent.mkdir(parents=True)
+    peermem.write_text("1.0\n")
+    good = {"hsdump_server_nnodes": 2, "hsdump_server_tp_size": 16, "hsdump_server_node_rank": 1,
+            "hsdump_server_dist_init_addr": f"{address}:50000", "hsdump_net_ib": True,
+            "hsdump_net_socket_ifname": ifname, "hsdump_net_ib_devices_dir": str(devices),
+            "hsdump_net_ib_hca": "=mlx5_0,mlx5_1", "hsdump_net_gdr": "peermem",
+            "hsdump_preflight_peermem_files": [str(peermem)],
+            "hsdump_server_ulimits": ["memlock:-1:-1", "stack:67108864:67108864"],
+            "hsdump_model_dir": str(tiny_models / "tiny-llama")}
+
+    def run(**changes) -> str:
+        started = time.monotonic()
+        r = ansible.playbook("deploy.yml", ONE_HOST, tags="preflight", path_prepend=bin_dir,
+                             extra={**good, **changes})
+        flat = " ".join(r.output.split())
+        assert time.monotonic() - started < 60, flat[-2000:]
+        assert r.rc != 0 and r.recap()["cpu-host"]["failed"] == 1, flat[-3000:]
+        return flat
+
+    passed = ansible.playbook("deploy.yml", ONE_HOST, tags="preflight", path_prepend=bin_dir,
+                              extra=good)
+    passed.assert_ok("preflight of a good InfiniBand node")
+    for task in ("check the socket interface of the multi-node replica",
+                 "check the HCA ports NCCL will use", "check GPUDirect RDMA", "check memlock"):
+        assert f"Preflight | {task}" in passed.output
+    flat = run(hsdump_net_socket_ifname="")
+    assert ("cpu-host is node 1 of a 2-node replica, and hsdump_net_socket_ifname=\"\" is empty: "
+            "NCCL (bootstrap, out-of-band) and PyTorch gloo would bind the address the hostname "
+            "resolves to (127.0.1.1 on Ubuntu)") in flat, flat[-3000:]
+    assert f"network of hsdump_server_dist_init_addr ({address}:50000)" in flat
+    flat = run(hsdump_net_socket_ifname="ib9")
+    assert "hsdump_net_socket_ifname=\"ib9\" is not an interface of this host (it has " in flat
+    flat = run(hsdump_net_ib_devices_dir=str(tmp_path / "none"))
+    assert (f"cpu-host has no RDMA devices (no uverbs* in {tmp_path / 'none'}), but hsdump_net_ib "
+            "asks for InfiniBand/RoCE: NCCL would fall back to TCP sockets") in flat, flat[-3000:]
+    ports.write_text(ALL_ACTIVE.replace("mlx5_1 Active LinkUp", "mlx5_1 Down Polling"))
+    flat = run()
+    assert ("cpu-host: HCA ports selected by NCCL_IB_HCA==mlx5_0,mlx5_1 (hsdump_net_ib_hca) are not"
+            " Active (mlx5_1 port 1: State Down, Physical state Polling, InfiniBand)") in flat, \
+        flat[-3000:]
+    assert "Down / Polling: check the cable" in flat and '(e.g. "^mlx5_1")' in flat
+    # Leaving the Down port out (NCCL_IB_HCA's exclusion syntax) passes.
+    run_ok = ansible.playbook("deploy.yml", ONE_HOST, tags="preflight", path_prepend=bin_dir,
+                              extra={**good, "hsdump_net_ib_hca": "^mlx5_1"})
+    run_ok.assert_ok("preflight with the Down port excluded")
+    ports.write_text("mlx5_0 Initializing LinkUp InfiniBand\nmlx5_1 Initializing LinkUp "
+                     "InfiniBand\n")
+    flat = run(hsdump_net_ib_hca="")
+    assert ("cpu-host: no HCA port is Active (mlx5_0 port 1: State Initializing, Physical state "
+            "LinkUp, InfiniBand; mlx5_1 port 1: State Initializing") in flat, flat[-3000:]
+    assert "Initializing: no subnet manager answers on this InfiniBand fabric" in flat
+    ports.write_text(ALL_ACTIVE)
+    peermem.unlink()
+    flat = run()
+    assert (f"cpu-host: hsdump_net_gdr=peermem but no peer-memory client is registered (none of "
+            f"{peermem}): NCCL would stage every transfer through host memory. Load "
+            "nvidia-peermem (`modprobe nvidia-peermem`") in flat, flat[-3000:]
+    flat = run(hsdump_net_gdr="none", hsdump_server_ulimits=[])
+    assert ("cpu-host: hsdump_server_ulimits=[] does not give the containers an unlimited "
+            "memlock, which RDMA needs") in flat, flat[-3000:]
+
+
 def _remount_shm(size: int) -> None:
     subprocess.run(["mount", "-o", f"remount,size={size // 1024}k", "/dev/shm"], check=True)
 
@@ -431,8 +536,9 @@ DRIVER_PACKAGES = ("nvidia-headless-no-dkms-580-server-open", "libnvidia-compute
                    "linux-modules-nvidia-580-server-open-generic")
 # Stand-ins for the host's tools, printing what the real ones print: `mokutil --sb-state`
 # ("SecureBoot enabled"), `modinfo -F version nvidia`, modprobe (silent on success; its
-# "Module ... not found" otherwise; the loaded module appears under /sys/module), systemctl
-# (the unit properties `systemctl show` prints, `is-enabled`; every action logged), the
+# "Module ... not found", or "could not insert ...: Invalid argument" as for nvidia-peermem
+# on an inbox ib_core, otherwise; the loaded module appears under /sys/module, "-" as "_"),
+# systemctl (the unit properties `systemctl show` prints, `is-enabled`; every action logged), the
 # `nvidia-smi -q` Fabric section of an HGX GPU (the states of FABRIC_STATES one call after the
 # other, the last one for good), and a reboot that loads the module version of NEXT_LOADED.
 SYS_MODULE = "/run/hsdump-test-sys-module"
@@ -447,7 +553,10 @@ HOST_TOOLS = {
     "modprobe": f"""if [ -e /run/hsdump-test-no-$1 ]; then
   echo "modprobe: FATAL: Module $1 not found in directory /lib/modules/$(uname -r)" >&2; exit 1
 fi
-mkdir -p {SYS_MODULE}/$1""",
+if [ -e /run/hsdump-test-einval-$1 ]; then
+  echo "modprobe: ERROR: could not insert '$(echo $1 | tr - _)': Invalid argument" >&2; exit 1
+fi
+mkdir -p {SYS_MODULE}/$(echo $1 | tr - _)""",
     "systemctl": f"""d={SYSTEMD}; mkdir -p $d; u=${{2%.service}}
 case $1 in
   daemon-reload) ;;
@@ -724,6 +833,64 @@ def test_cdi_spec_follows_the_driver_and_docker_before_28_2_gets_features_cdi(an
     finally:
         host.sh("rm -f /usr/local/bin/nvidia-smi /usr/local/bin/nvidia-ctk /usr/local/bin/docker"
                 " /usr/local/bin/systemctl /usr/local/sbin/systemctl-refresh", check=False)
+
+
+RDMA_MODULES = ("mlx5_ib", "ib_uverbs", "rdma_ucm")
+
+
+def test_rdma_role_loads_modules_and_peermem_and_raises_memlock(ansible, debian_host, host_tools):
+    """hsdump_rdma on Debian: --check changes nothing; it installs rdma-core, ibverbs-utils and
+    infiniband-diags (Debian's packages), loads mlx5_ib, ib_uverbs and rdma_ucm now and at
+    boot, and raises memlock for every login; nvidia-peermem refused by an inbox ib_core
+    ("Invalid argument") stops the play with hsdump_net_gdr=peermem, naming DOCA-OFED and
+    DMA-BUF, and is left to preflight with auto; once it loads it is loaded at boot too; second
+    runs change nothing. Stand-ins: HOST_TOOLS' modprobe and a scratch /sys/module."""
+    host = debian_host
+    modules_load, limits = "/etc/modules-load.d/hsdump-rdma.conf", \
+        "/etc/security/limits.d/90-hsdump-rdma.conf"
+    host.sh(f"rm -rf {SYS_MODULE} {modules_load} {limits} /run/hsdump-test-no-mlx5_ib; "
+            "touch /run/hsdump-test-einval-nvidia-peermem")
+    # What the package module installs on its first real run, which --check cannot.
+    host.sh("apt-get install -qq -y python3-apt >/dev/null")
+    v = {"hsdump_net_ib": True, "hsdump_net_gdr": "peermem",
+         "hsdump_rdma_sys_module_dir": SYS_MODULE}
+
+    def run(check: bool = False, **extra) -> tuple[Run, str]:
+        r = ansible.playbook(CASES / "rdma.yml", host.inventory, extra={**v, **extra},
+                             check=check)
+        return r, " ".join(r.output.split())
+
+    check, _ = run(check=True)
+    check.assert_ok("rdma.yml --check")
+    assert host.sh(f"ls {modules_load} {limits} 2>/dev/null", check=False) == ""
+    refused, flat = run()
+    assert refused.rc != 0, flat[-3000:]
+    assert ("debian-host: modprobe: ERROR: could not insert 'nvidia_peermem': Invalid argument. "
+            "nvidia-peermem needs the peer-memory API of MLNX_OFED / DOCA-OFED's ib_core") \
+        in flat, flat[-3000:]
+    assert "hsdump_net_gdr=dmabuf" in flat and "The HCA driver" not in flat
+    installed = host.sh("dpkg-query -W -f='${Package} ${db:Status-Status}\\n' rdma-core "
+                        "ibverbs-utils infiniband-diags")
+    assert sorted(installed.splitlines()) == ["ibverbs-utils installed",
+                                              "infiniband-diags installed",
+                                              "rdma-core installed"], installed
+    assert sorted(host.sh(f"ls {SYS_MODULE}").split()) == sorted(RDMA_MODULES)
+    auto, flat = run(hsdump_net_gdr="auto")
+    auto.assert_ok("rdma.yml with hsdump_net_gdr=auto and no peer-memory API")
+    assert host.sh(f"grep -v '^#' {modules_load}").split() == list(RDMA_MODULES)
+    assert "root hard memlock unlimited" in host.sh(f"cat {limits}")
+    again, _ = run(hsdump_net_gdr="auto")
+    again.assert_ok("rdma.yml, second run")
+    assert again.recap()["debian-host"]["changed"] == 0, again.output[-3000:]
+    host.sh("rm /run/hsdump-test-einval-nvidia-peermem")  # DOCA-OFED's ib_core, say
+    loaded, _ = run()
+    loaded.assert_ok("rdma.yml with nvidia-peermem loading")
+    assert loaded.recap()["debian-host"]["changed"] == 2, loaded.output[-3000:]
+    assert host.sh(f"grep -v '^#' {modules_load}").split() == [*RDMA_MODULES, "nvidia-peermem"]
+    assert host.sh(f"ls -d {SYS_MODULE}/nvidia_peermem").strip()
+    last, _ = run()
+    last.assert_ok("rdma.yml, second run with nvidia-peermem")
+    assert last.recap()["debian-host"]["changed"] == 0, last.output[-3000:]
 
 
 # ----------------------------------------------------------------------------- deploy sequence
@@ -1012,6 +1179,130 @@ def test_fail_fast_on_a_worker_node_with_logs_from_every_node(ansible, docker_en
     for host in names:  # every node's log, in the message and on the controller
         log = (Path(v["hsdump_server_log_fetch_dir"]) / host / "server.log").read_text()
         assert log.strip() and " ".join(log.split()[-20:]) in flat, host
+
+
+# Stand-ins for a two-node replica over InfiniBand, in one image: torchrun + NCCL for the
+# all-reduce check (`python3 -m torch.distributed.run ...`) decide the transport as NCCL does
+# from what the container has (uverbs devices in /dev/infiniband and CAP_IPC_LOCK: IB, else
+# "No device found" and sockets, or an error under NCCL_NET=IB) and print NCCL_DEBUG=INFO's
+# lines for it (GPUDirect as HSDUMP_TEST_GDR says: the host's peer-memory state); the
+# server (`hsdump serve`) answers /ready on node 0 and idles on the worker.
+TORCHRUN_NCCL = r"""#!/bin/sh
+rank=0; for a; do case $a in --node-rank=*) rank=${a#*=};; esac; done
+h=$(hostname); ifn=${NCCL_SOCKET_IFNAME#=}; addr="$ifn:10.0.0.$((rank + 1))<0>"
+log() { echo "$h:$$:$$ [0] NCCL INFO $*"; }
+[ -z "$NCCL_SOCKET_IFNAME" ] || log "NCCL_SOCKET_IFNAME set by environment to $NCCL_SOCKET_IFNAME"
+log "Bootstrap : Using $addr"
+cap=$(sed -n 's/^CapEff:[[:space:]]*//p' /proc/self/status)
+if ls /dev/infiniband/uverbs* >/dev/null 2>&1 && [ $(( (0x$cap >> 14) & 1 )) = 1 ]; then
+  [ -z "$NCCL_IB_HCA" ] || log "NCCL_IB_HCA set to $NCCL_IB_HCA"
+  log "NET/IB : Using [0]mlx5_0:1/IB [1]mlx5_1:1/IB [RO]; OOB $addr"
+  log "Using network IB"
+  if [ -n "$HSDUMP_TEST_GDR" ]; then
+    log "NET/IB : GPU Direct RDMA ($HSDUMP_TEST_GDR) enabled for HCA 0 'mlx5_0"; net=NET/IB/0/GDRDMA
+  else log "NET/IB : GPU Direct RDMA Disabled for HCA 0 'mlx5_0'"; net=NET/IB/0; fi
+else
+  log "NET/IB : No device found."
+  [ "$NCCL_NET" != IB ] || { echo "$h:$$:$$ [0] NCCL WARN Error: network IB not found."; exit 1; }
+  log "NET/Socket : Using [0]$addr"; log "Using network Socket"; net=NET/Socket/0
+fi
+log "Channel 00/0 : $((2 * rank))[0] -> $((2 * rank + 1))[1] via P2P/CUMEM"
+log "Channel 00/0 : $((2 * rank + 1))[1] -> $((2 - 2 * rank))[0] [send] via $net"
+log "Channel 00/0 : $((3 - 2 * rank))[1] -> $((2 * rank))[0] [receive] via $net"
+[ "$rank" != 0 ] || echo '{"ok": true, "world": 4, "backend": "nccl", "mib": 4, "seconds": 0.01}'
+"""
+SERVE_READY = """#!/bin/sh
+[ "${HSDUMP_NODE_RANK:-0}" = 0 ] || exec sleep infinity
+mkdir -p /tmp/www && touch /tmp/www/ready
+exec /usr/bin/python3 -m http.server --bind "$HSDUMP_PROBE_HOST" "$HSDUMP_PORT" --directory /tmp/www
+"""
+
+
+def test_multi_node_ib_containers_and_the_nccl_transport_check(ansible, docker_engine,
+                                                               tiny_models, tmp_path):
+    """Two nodes (both this machine) of a replica with hsdump_net_ib: the all-reduce check runs
+    as one job across the nodes, its containers and the servers get /dev/infiniband,
+    CAP_IPC_LOCK and NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME/NCCL_IB_HCA/NCCL_NET, and NCCL's log
+    proves NET/IB with GPUDirect; a second run changes nothing. NCCL without GPUDirect, and
+    NCCL falling back to sockets (no uverbs device in the container), fail before the server
+    starts, naming the host and what NCCL logged."""
+    require(os.geteuid() == 0, "root (mknod of a stand-in RDMA device node)")
+    ifname, address = _host_interface()
+    image = f"hsdump-ansible-ib:ci-{uuid.uuid4().hex[:8]}"
+    builder = _docker("create", _debian_image(), "true").strip()
+    for name, body in (("python3", TORCHRUN_NCCL), ("hsdump-serve", SERVE_READY)):
+        script = tmp_path / name
+        script.write_text(body)
+        script.chmod(0o755)
+        _docker("cp", str(script), f"{builder}:/usr/local/bin/{name}")
+    _docker("commit", "--change", 'ENTRYPOINT ["/usr/local/bin/hsdump-serve"]', builder, image)
+    _docker("rm", builder)
+    devices, empty = tmp_path / "infiniband", tmp_path / "no-uverbs"
+    devices.mkdir()
+    empty.mkdir()
+    subprocess.run(["mknod", str(devices / "uverbs0"), "c", "231", "192"], check=True)
+    # A host whose ib_uverbs is not loaded: rdma_cm only, no uverbs device for NCCL.
+    subprocess.run(["mknod", str(empty / "rdma_cm"), "c", "10", "58"], check=True)
+    v = server_vars(image, tiny_models, tmp_path)
+    base = v.pop("hsdump_container_name")
+    names = {h: f"{base}-{h[-1]}" for h in ("cpu-node-0", "cpu-node-1")}
+    inventory = tmp_path / "inventory.yml"
+    inventory.write_text(yaml.safe_dump({"all": {"children": {"hsdump_hosts": {
+        "hosts": {h: {"hsdump_server_node_rank": int(h[-1]), "hsdump_container_name": names[h]}
+                  for h in names},
+        "vars": {"ansible_connection": "local",
+                 "ansible_python_interpreter": "{{ ansible_playbook_python }}",
+                 "ansible_become": False}}}}}))
+    v.update({"hsdump_server_nnodes": 2, "hsdump_server_tp_size": 4,
+              "hsdump_server_dist_init_addr": f"{address}:{free_port()}",
+              "hsdump_net_allreduce_port": free_port(), "hsdump_server_allreduce": True,
+              "hsdump_server_allreduce_backend": "nccl", "hsdump_server_allreduce_nproc": 2,
+              "hsdump_net_ib": True, "hsdump_net_socket_ifname": ifname,
+              "hsdump_net_ib_hca": "=mlx5_0,mlx5_1", "hsdump_net_ib_devices_dir": str(devices),
+              "hsdump_net_gdr": "peermem",
+              "hsdump_server_env": {"HSDUMP_TEST_GDR": "nvidia-peermem"}})
+    try:
+        first = ansible.playbook("deploy.yml", inventory, tags="server", extra=v)
+        first.assert_ok("deploy.yml --tags server, two nodes over InfiniBand")
+        flat = " ".join(first.output.split())
+        assert ("NCCL ran the all-reduce across 2 nodes over NET/IB (mlx5_0:1/IB, mlx5_1:1/IB): "
+                "2 channel connections via NET/IB/0/GDRDMA; GPUDirect RDMA: nvidia-peermem") \
+            in flat, flat[-3000:]
+        for name in names.values():
+            host_config = json.loads(_docker("inspect", name))[0]["HostConfig"]
+            env = dict(e.split("=", 1) for e in json.loads(_docker("inspect", name))[0]
+                       ["Config"]["Env"])
+            assert host_config["Devices"] == [{"PathOnHost": str(devices),
+                                               "PathInContainer": "/dev/infiniband",
+                                               "CgroupPermissions": "rwm"}], host_config
+            assert {c.removeprefix("CAP_") for c in host_config["CapAdd"]} == {"IPC_LOCK"}
+            assert {k: env.get(k) for k in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME",
+                                            "NCCL_IB_HCA", "NCCL_NET")} == {
+                "NCCL_SOCKET_IFNAME": f"={ifname}", "GLOO_SOCKET_IFNAME": ifname,
+                "NCCL_IB_HCA": "=mlx5_0,mlx5_1", "NCCL_NET": "IB"}, env
+        again = ansible.playbook("deploy.yml", inventory, tags="server", extra=v)
+        again.assert_ok("deploy.yml --tags server, second run")
+        assert {h: r["changed"] for h, r in again.recap().items()} == dict.fromkeys(names, 0)
+        no_gdr = ansible.playbook("deploy.yml", inventory, tags="server",
+                                  extra={**v, "hsdump_server_env": {"HSDUMP_TEST_GDR": ""}})
+        flat = " ".join(no_gdr.output.split())
+        assert no_gdr.rc != 0, flat[-3000:]
+        assert ("The all-reduce across the 2 nodes of the replica did not run over "
+                "InfiniBand/RoCE on cpu-node-0 (node 0): channels via NET/IB/0: without "
+                "/GDRDMA, GPUDirect RDMA is off (NCCL: mlx5_0 GPU Direct RDMA Disabled)") \
+            in flat, flat[-3000:]
+        sockets = ansible.playbook("deploy.yml", inventory, tags="server", extra={
+            **v, "hsdump_net_ib_devices_dir": str(empty), "hsdump_net_nccl_net": ""})
+        flat = " ".join(sockets.output.split())
+        assert sockets.rc != 0, flat[-3000:]
+        assert ("did not run over InfiniBand/RoCE on cpu-node-1 (node 1): NCCL chose network "
+                "Socket (\"NET/IB : No device found\": the container sees no usable HCA port), "
+                "so every cross-node all-reduce would go over TCP sockets") in flat, flat[-3000:]
+        assert "HCA ports NCCL used: none" in flat
+    finally:
+        for name in names.values():
+            _docker("rm", "-f", name, f"{name}-allreduce", check=False)
+        _docker("rmi", image, check=False)
 
 
 @pytest.fixture(scope="module")
