@@ -65,7 +65,10 @@ from hsdump_patch.capture.session import (
 from hsdump_patch.capture.writer import Chunk, DumpWriter
 
 VOCAB = 163_840  # Kimi-K2.5's vocabulary
-CONDITIONS = ("off", "on", "proc", "old")
+# "on": two buffers and the writer mode that ships (config.DEFAULT_WRITER_MODE); ALT: the same
+# with the other writer mode; "old": one buffer (the ordering before issue 17), thread writer.
+ALT = next(m for m in config.WRITER_MODES if m != config.DEFAULT_WRITER_MODE)
+CONDITIONS = ("off", "on", ALT, "old")
 # --diagnose adds conditions that each leave out or add a part of "on" (their files are not
 # checked): pack: the packing copies (_ForwardState.store), no hand-off; nod2h: packing + every
 # submit's host work, but no device-to-host copy and no file; nowrite: all of "on" but the
@@ -213,12 +216,12 @@ class Bench:
         self.cuda = device.type == "cuda"
         self.aux = [int(x) for x in args.aux_layers.split(",")]
         self.slots = len(self.aux) + 1
-        self.writer = DumpWriter(args.dump_dir, max_inflight_bytes=args.cap,
-                                 min_free_bytes=args.min_free, threads=args.threads,
-                                 device=device, mode="thread")
-        self.proc_writer = DumpWriter(args.dump_dir, max_inflight_bytes=args.cap,
-                                      min_free_bytes=args.min_free, threads=args.threads,
-                                      device=device, mode="process")
+        self.writers = {mode: DumpWriter(args.dump_dir, max_inflight_bytes=args.cap,
+                                         min_free_bytes=args.min_free, threads=args.threads,
+                                         device=device, mode=mode)
+                        for mode in config.WRITER_MODES}
+        self.writer = self.writers[config.DEFAULT_WRITER_MODE]  # what ships
+        self.alt_writer = self.writers[ALT]
         self.forward_no = 0
         self.verified_values = 0
         self.verified_files = 0
@@ -396,7 +399,7 @@ class Bench:
     def leaving_out(self, cond: str):
         """For a diagnostic condition: the writer stages no copy (nod2h) and writes no file
         (nod2h, nowrite); it still waits for the copies and writes the markers."""
-        w = self.writer
+        w = self.writers["thread"]  # the diagnostic conditions take the thread writer apart
         undo: list[tuple[object, str, object]] = []
         if cond == "prev":
             for obj, name, value in ((files_module, "_PAGES_PER_WRITE", 4),
@@ -419,7 +422,7 @@ class Bench:
 
     def drain(self) -> bool:
         """Wait until both writers have written everything (an error after 600 s)."""
-        for w in (self.writer, self.proc_writer):
+        for w in self.writers.values():
             if not w.flush(timeout=600):
                 self.errors.append(f"the {w.mode} writer did not drain in 600 s")
                 return False
@@ -472,9 +475,10 @@ class Bench:
     def after(self, cond: str) -> None:
         """Untimed, after each forward of ``cond``: onsync lets the copies finish, onflush the
         copies and the writer threads."""
-        if cond == "onsync" and self.writer._side_stream is not None:
-            self.writer._side_stream.synchronize()
-        elif cond == "onflush" and not self.writer.flush(timeout=600):
+        w = self.writers["thread"]
+        if cond == "onsync" and w._side_stream is not None:
+            w._side_stream.synchronize()
+        elif cond == "onflush" and not w.flush(timeout=600):
             self.errors.append("the writer did not drain in 600 s")
 
     def point(self, tokens: int, us: float) -> Point:
@@ -496,17 +500,18 @@ class Bench:
             self.noise = Noise(self.args.threads, per_file, self.args.dump_dir)
         buffers = {"on": CaptureBuffers(self.writer, self.slots, model.hidden, torch.bfloat16,
                                         self.device, CAPTURE_BUFFERS),
-                   "proc": CaptureBuffers(self.proc_writer, self.slots, model.hidden,
-                                          torch.bfloat16, self.device, CAPTURE_BUFFERS),
-                   "old": CaptureBuffers(self.writer, self.slots, model.hidden, torch.bfloat16,
-                                         self.device, 1)}
+                   ALT: CaptureBuffers(self.alt_writer, self.slots, model.hidden,
+                                       torch.bfloat16, self.device, CAPTURE_BUFFERS),
+                   "old": CaptureBuffers(self.writers["thread"], self.slots, model.hidden,
+                                         torch.bfloat16, self.device, 1)}
+        buffers.setdefault("thread", buffers["on"])  # the diagnostic conditions' writer
         for b in buffers.values():
             b.reserve(tokens)
-        dumping = ("on", "pack", "nod2h", "nowrite", "onsync", "onflush", "prev")
+        dumping = ("pack", "nod2h", "nowrite", "onsync", "onflush", "prev")
         for _ in range(self.args.rounds):
             for cond in abba:
-                buf = buffers[cond] if cond in ("old", "proc") else (
-                    buffers["on"] if cond in dumping else None)
+                buf = buffers[cond] if cond in ("on", "old", ALT) else (
+                    buffers["thread"] if cond in dumping else None)
                 noise = cond if cond in ("gil", "mem") else ""
                 dumped = []
                 with self.leaving_out(cond):
@@ -542,14 +547,14 @@ def table(points: list[Point]) -> list[dict]:
             "us_per_token_off": round(off * 1e3 / p.tokens, 2), "inner": p.inner,
             "off_ms": round(off, 2), "on_ms": round(p.median("on"), 2),
             "old_ms": round(p.median("old"), 2),
-            "proc_ms": round(p.median("proc"), 2),
-            "proc_vs_off": round(p.median("proc") / off, 4),
-            "gpu_proc_ms": round(p.median("proc", "gpu_ms"), 2),
-            "handoff_proc_ms": round(p.median("proc", "handoff_ms"), 3),
-            "stall_proc_ms": round(p.median("proc", "stall_ms"), 3),
-            "host_wait_proc_ms": round(max(s.host_wait_ms for s in p.samples["proc"]), 3),
-            "proc_vs_off_paired": _paired(p, "proc"),
-            "proc_vs_on_paired": _paired(p, "proc", "on"),
+            "on_mode": config.DEFAULT_WRITER_MODE,
+            f"{ALT}_ms": round(p.median(ALT), 2),
+            f"{ALT}_vs_off": round(p.median(ALT) / off, 4),
+            f"gpu_{ALT}_ms": round(p.median(ALT, "gpu_ms"), 2),
+            f"handoff_{ALT}_ms": round(p.median(ALT, "handoff_ms"), 3),
+            f"host_wait_{ALT}_ms": round(max(s.host_wait_ms for s in p.samples[ALT]), 3),
+            f"{ALT}_vs_off_paired": _paired(p, ALT),
+            f"on_vs_{ALT}_paired": _paired(p, "on", ALT),
             "on_vs_off": round(p.median("on") / off, 4),
             "old_vs_off": round(p.median("old") / off, 4),
             "gpu_off_ms": round(p.median("off", "gpu_ms"), 2),
@@ -599,21 +604,24 @@ def _medians(samples: list[Sample], attr: str) -> list[float]:
 
 
 def print_table(rows: list[dict]) -> None:
-    print("| tokens | us/token (off) | off ms | on ms (threads) | on/off | proc ms (process) "
-          "| proc/off | old/off (1 buffer) | paired on/off: median (q1-q3) "
-          "| paired proc/off: median (q1-q3) | paired proc/on | max host wait ms on / proc "
-          "| device ms off / on / proc | hand-off host ms on / proc |")
+    on, alt = config.DEFAULT_WRITER_MODE, ALT
+    print(f"| tokens | us/token (off) | off ms | on ms ({on}) | on/off | {alt} ms | {alt}/off "
+          f"| old/off (1 buffer) | paired on/off: median (q1-q3) | paired {alt}/off: median "
+          f"(q1-q3) | paired on/{alt} | max host wait ms on / {alt} | device ms off / on / "
+          f"{alt} | hand-off host ms on / {alt} |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        pon, ppr, pvs = r["on_vs_off_paired"], r["proc_vs_off_paired"], r["proc_vs_on_paired"]
+        pon, palt, pvs = (r["on_vs_off_paired"], r[f"{alt}_vs_off_paired"],
+                          r[f"on_vs_{alt}_paired"])
         print(f"| {r['tokens']} | {r['us_per_token_off']:.1f} | {r['off_ms']:.2f} | "
-              f"{r['on_ms']:.2f} | {r['on_vs_off']:.3f} | {r['proc_ms']:.2f} | "
-              f"{r['proc_vs_off']:.3f} | {r['old_vs_off']:.3f} | "
+              f"{r['on_ms']:.2f} | {r['on_vs_off']:.3f} | {r[f'{alt}_ms']:.2f} | "
+              f"{r[f'{alt}_vs_off']:.3f} | {r['old_vs_off']:.3f} | "
               f"{pon['median']:.3f} ({pon['q1']:.3f}-{pon['q3']:.3f}) | "
-              f"{ppr['median']:.3f} ({ppr['q1']:.3f}-{ppr['q3']:.3f}) | {pvs['median']:.3f} | "
-              f"{r['host_wait_on_ms']:.2f} / {r['host_wait_proc_ms']:.2f} | "
-              f"{r['gpu_off_ms']:.2f} / {r['gpu_on_ms']:.2f} / {r['gpu_proc_ms']:.2f} | "
-              f"{r['handoff_on_ms']:.2f} / {r['handoff_proc_ms']:.2f} |")
+              f"{palt['median']:.3f} ({palt['q1']:.3f}-{palt['q3']:.3f}) | "
+              f"{pvs['median']:.3f} | "
+              f"{r['host_wait_on_ms']:.2f} / {r[f'host_wait_{alt}_ms']:.2f} | "
+              f"{r['gpu_off_ms']:.2f} / {r['gpu_on_ms']:.2f} / {r[f'gpu_{alt}_ms']:.2f} | "
+              f"{r['handoff_on_ms']:.2f} / {r[f'handoff_{alt}_ms']:.2f} |")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -701,14 +709,14 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"# {tokens} tokens, ~{us:g} us/token: {json.dumps(r)} "
                       f"({time.perf_counter() - t0:.0f} s)", flush=True)
     finally:
-        bench.writer.close()
-        bench.proc_writer.close()
+        for w in bench.writers.values():
+            w.close()
         if own_dir:
             shutil.rmtree(args.dump_dir, ignore_errors=True)
     rows = table(points)
     print_table(rows)
     verdicts = {}
-    for cond in ("on", "proc"):
+    for cond in ("on", ALT):
         worst = max(r[f"{cond}_vs_off"] for r in rows)
         verdicts[cond] = worst <= GOAL
         print(f"goal {cond}/off <= {GOAL} at every point: "
@@ -721,10 +729,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json is not None:
         args.json.write_text(json.dumps({
             "machine": machine, "torch": torch.__version__, "rows": rows, "goal_met": met,
-            "goal_met_proc": verdicts["proc"], "verified_values": bench.verified_values,
+            f"goal_met_{ALT}": verdicts[ALT], "verified_values": bench.verified_values,
             "verified_files": bench.verified_files, "errors": bench.errors,
-            "writer": bench.writer.stats.as_dict(),
-            "proc_writer": bench.proc_writer.stats.as_dict()}, indent=1))
+            "writers": {m: w.stats.as_dict() for m, w in bench.writers.items()}}, indent=1))
     return 1 if bench.errors else 0
 
 

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from hsdump_patch import protocol
 from hsdump_patch.capture import writer as writer_module
 from hsdump_patch.capture.session import copy_rows
-from hsdump_patch.capture.writer import Chunk, DumpWriter
+from hsdump_patch.capture.writer import MODES, Chunk, DumpWriter
 
 SLOTS, HIDDEN = 4, 64
 CPU = torch.device("cpu")
@@ -54,9 +54,16 @@ def dump_dir(tmp_path: Path) -> Path:
     return d
 
 
-def _writer(dump_dir: Path, cap: int = 1 << 20, threads: int = 4, min_free: int = 0) -> DumpWriter:
+def _writer(dump_dir: Path, cap: int = 1 << 20, threads: int = 4, min_free: int = 0,
+            mode: str = "thread") -> DumpWriter:
     return DumpWriter(dump_dir, max_inflight_bytes=cap, min_free_bytes=min_free, threads=threads,
-                      device=CPU)
+                      device=CPU, mode=mode)
+
+
+@pytest.fixture(params=MODES)
+def mode(request: pytest.FixtureRequest) -> str:
+    """Both writer modes: threads in this process, and the writer process (shared memory)."""
+    return request.param
 
 
 def _temp_files(root: Path) -> list[Path]:
@@ -69,7 +76,7 @@ def _error(dump_dir: Path, rid: str) -> protocol.ErrorMarker:
     return status.error
 
 
-def test_submit_forward_writes_each_requests_rows_and_fails_a_bad_range(dump_dir: Path) -> None:
+def test_submit_forward_writes_each_requests_rows_and_fails_a_bad_range(dump_dir: Path, mode: str) -> None:
     """One forward's hand-off in one call (as the capture does): each chunk file holds exactly
     its rows of the whole-batch tensors; a range outside them fails only its own request."""
     batch = _batch(300, seed=3, hidden=256)
@@ -77,7 +84,7 @@ def test_submit_forward_writes_each_requests_rows_and_fails_a_bad_range(dump_dir
                                      protocol.POSITIONS_KEY), batch, strict=True)]
     bounds = {"hsdump-f0": (0, 7), "hsdump-f1": (7, 250), "hsdump-f2": (250, 300)}
     expected = {rid: [(k, t[a:b].clone()) for k, t in whole] for rid, (a, b) in bounds.items()}
-    w = _writer(dump_dir)
+    w = _writer(dump_dir, mode=mode)
     chunks = [Chunk(_meta(rid, 0), a, b, b - a) for rid, (a, b) in bounds.items()]
     w.submit_forward(whole, [*chunks, Chunk(_meta("hsdump-bad", 0), 250, 301, 51)])
     batch[0].zero_()
@@ -102,11 +109,11 @@ def test_copy_rows_packs_a_slot_exactly() -> None:
         assert not buf[:33, [0, 1, 3]].any() and not buf[33:].any()
 
 
-def test_chunks_are_safetensors_with_exact_bytes_and_private_modes(dump_dir: Path) -> None:
+def test_chunks_are_safetensors_with_exact_bytes_and_private_modes(dump_dir: Path, mode: str) -> None:
     batch = _batch(500, seed=0, hidden=256)
     # 3 chunks of one request; the middle one (~460 KB) spans several 64 KiB pages/threads.
     bounds = [(0, 40), (40, 340), (340, 347)]
-    w = _writer(dump_dir)
+    w = _writer(dump_dir, mode=mode)
     assert w.page_bytes == 64 << 10
     expected = {a: [(k, t.clone()) for k, t in _tensors(batch, a, b)] for a, b in bounds}
     for a, b in bounds:
@@ -139,8 +146,8 @@ def test_chunks_are_safetensors_with_exact_bytes_and_private_modes(dump_dir: Pat
     assert w.stats.internal_errors == 0 and w.stats.staging_bytes == 0
 
 
-def test_done_marker_only_after_every_chunk(dump_dir: Path) -> None:
-    w = _writer(dump_dir, cap=4 << 20, threads=4)
+def test_done_marker_only_after_every_chunk(dump_dir: Path, mode: str) -> None:
+    w = _writer(dump_dir, cap=4 << 20, threads=4, mode=mode)
     batch = _batch(64, seed=1)
     w.submit(_meta("hsdump-a", 0), _tensors(batch, 0, 30), prompt_len=None)
     w.submit(_meta("hsdump-a", 30), _tensors(batch, 30, 60), prompt_len=None)
@@ -268,8 +275,8 @@ def test_free_space_guard_writes_an_error_marker_and_no_chunk(dump_dir: Path) ->
     assert w.stats.requests_failed == 1 and w.stats.chunks_written == 0
 
 
-def test_write_failure_gives_an_error_marker_and_never_raises(dump_dir: Path) -> None:
-    w = _writer(dump_dir)
+def test_write_failure_gives_an_error_marker_and_never_raises(dump_dir: Path, mode: str) -> None:
+    w = _writer(dump_dir, mode=mode)
     batch = _batch(64, seed=7)
     # The final name is taken by a directory: the rename fails after the data was written.
     d = protocol.rid_dir(dump_dir, "hsdump-w1")
@@ -299,8 +306,8 @@ def test_write_failure_gives_an_error_marker_and_never_raises(dump_dir: Path) ->
     assert _temp_files(dump_dir) == []
 
 
-def test_fail_request_and_submit_after_close(dump_dir: Path) -> None:
-    w = _writer(dump_dir)
+def test_fail_request_and_submit_after_close(dump_dir: Path, mode: str) -> None:
+    w = _writer(dump_dir, mode=mode)
     batch = _batch(16, seed=8)
     w.submit(_meta("hsdump-f", 0), _tensors(batch, 0, 8), prompt_len=None)
     w.fail_request("hsdump-f", "aborted by the client", prompt_len=16)
@@ -315,10 +322,10 @@ def test_fail_request_and_submit_after_close(dump_dir: Path) -> None:
     assert w.stats.requests_failed == 2
 
 
-def test_resent_rid_after_a_failure_gets_a_fresh_done_marker(dump_dir: Path) -> None:
+def test_resent_rid_after_a_failure_gets_a_fresh_done_marker(dump_dir: Path, mode: str) -> None:
     """A failed rid keeps its state (late chunks are dropped), until a new attempt begins:
     the client removes the old directory and re-sends the same rid."""
-    w = _writer(dump_dir)
+    w = _writer(dump_dir, mode=mode)
     batch = _batch(64, seed=9)
     d = protocol.rid_dir(dump_dir, "hsdump-retry")
     protocol.make_private_dir(d / protocol.chunk_filename(0))  # chunk 0 cannot be renamed
@@ -341,8 +348,8 @@ def test_resent_rid_after_a_failure_gets_a_fresh_done_marker(dump_dir: Path) -> 
                                                  "tokens": 64, "chunks": [0, 40]}
 
 
-def test_aborted_attempt_leaves_no_stale_counts(dump_dir: Path) -> None:
-    w = _writer(dump_dir)
+def test_aborted_attempt_leaves_no_stale_counts(dump_dir: Path, mode: str) -> None:
+    w = _writer(dump_dir, mode=mode)
     batch = _batch(64, seed=10)
     w.submit(_meta("hsdump-abort", 0), _tensors(batch, 0, 20), prompt_len=None)  # then aborted
     assert w.flush(timeout=30)

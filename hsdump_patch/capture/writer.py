@@ -215,7 +215,7 @@ class DumpWriter:
                 self._internal_error(rid, prompt_len, f"cannot allocate staging: {e!r}")
                 continue
             staged.append(_Staged(chunk, header, nbytes, pages))
-        ready: list[Any] = [None]
+        ready: list[Any] = []
         if staged:
             try:
                 ready = self._stage([t for _, t in tensors], staged)
@@ -224,12 +224,12 @@ class DumpWriter:
                     self._release(st.pages)
                     self._internal_error(st.chunk.meta.rid, st.chunk.prompt_len,
                                          f"cannot copy the chunk: {e!r}")
-                staged, ready = [], [None]
+                staged, ready = [], []
         for st, done in zip(staged, ready, strict=True):
             meta = st.chunk.meta
             self._files.add(meta.rid, meta.prefix_len, _rows_shape(tensors[0][1], st.chunk)[0],
                             st.chunk.prompt_len, st.pages, st.nbytes, done)
-        self._files.commit(ready[-1])
+        self._files.commit(ready[-1] if ready else None)
 
     def begin_request(self, rid: str) -> None:
         """Start a new attempt of ``rid`` (its first chunk): forget an earlier attempt (see

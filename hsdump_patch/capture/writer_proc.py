@@ -109,6 +109,7 @@ class ProcessFiles:
             queue.SimpleQueue())
         self._sent_rids: OrderedDict[str, list[int]] = OrderedDict()
         self._closing = False
+        self._stopped = False  # closed: what comes later is settled here
         r, w = os.pipe()
         pkg_root = str(Path(__file__).resolve().parents[2])
         env = dict(os.environ)
@@ -153,6 +154,9 @@ class ProcessFiles:
         """Hand the queued messages to the waiter: sent once ``ready`` is synchronized."""
         if self._pending:
             msgs, self._pending = self._pending, []
+            if self._stopped:  # after close: only failures come (nothing is staged)
+                self._settle_locally(msgs)
+                return
             self.sent += len(msgs)
             self._out.put((ready, msgs))
 
@@ -179,6 +183,7 @@ class ProcessFiles:
         self._closing = True
         self._out.put(None)
         self._waiter.join()
+        self._stopped = True
         with contextlib.suppress(OSError):
             os.close(self._pipe)  # EOF: the child drains its queue and exits
         try:
