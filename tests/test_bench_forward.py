@@ -1,5 +1,6 @@
 """scripts/bench_forward.py runs on CPU with tiny shapes: every condition is measured in ABBA
-blocks, every dumped value is read back and checked, and the table has every point; "on" is the process writer that ships, beside the thread writer.
+blocks, every dumped value is read back and checked, and the table has every point; "on" is
+the process writer that ships, beside the thread writer.
 
 Not a timed test: CPU timings say nothing about the GPU ordering (issue 17).
 """

@@ -76,7 +76,8 @@ def _error(dump_dir: Path, rid: str) -> protocol.ErrorMarker:
     return status.error
 
 
-def test_submit_forward_writes_each_requests_rows_and_fails_a_bad_range(dump_dir: Path, mode: str) -> None:
+def test_submit_forward_writes_each_requests_rows_and_fails_a_bad_range(dump_dir: Path,
+                                                                         mode: str) -> None:
     """One forward's hand-off in one call (as the capture does): each chunk file holds exactly
     its rows of the whole-batch tensors; a range outside them fails only its own request."""
     batch = _batch(300, seed=3, hidden=256)
@@ -109,7 +110,8 @@ def test_copy_rows_packs_a_slot_exactly() -> None:
         assert not buf[:33, [0, 1, 3]].any() and not buf[33:].any()
 
 
-def test_chunks_are_safetensors_with_exact_bytes_and_private_modes(dump_dir: Path, mode: str) -> None:
+def test_chunks_are_safetensors_with_exact_bytes_and_private_modes(dump_dir: Path,
+                                                                   mode: str) -> None:
     batch = _batch(500, seed=0, hidden=256)
     # 3 chunks of one request; the middle one (~460 KB) spans several 64 KiB pages/threads.
     bounds = [(0, 40), (40, 340), (340, 347)]
@@ -429,3 +431,118 @@ def test_a_failed_copy_gives_its_staging_pages_back(dump_dir: Path) -> None:
         assert "cannot copy the chunk" in _error(dump_dir, f"hsdump-bad{n}").reason
     assert protocol.request_status(dump_dir, "hsdump-good").done is not None
     assert w.stats.internal_errors == 8 and _temp_files(dump_dir) == []
+
+
+def _files_bytes(dump_dir: Path, rid: str) -> dict[str, bytes]:
+    d = protocol.rid_dir(dump_dir, rid)
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
+
+
+def test_process_writer_files_equal_the_thread_writers_byte_for_byte(tmp_path: Path) -> None:
+    """The same forwards through both modes give the same files, byte for byte (chunks and
+    markers), with chunks spanning several pages."""
+    batch = _batch(700, seed=11, hidden=256)
+    out = {}
+    for m in MODES:
+        d = tmp_path / m
+        protocol.make_private_dir(d)
+        w = _writer(d, cap=1 << 20, threads=3, mode=m)
+        for r in range(5):
+            rid = f"hsdump-eq{r}"
+            w.begin_request(rid)
+            w.submit_forward(_tensors(batch, 0, 700), [Chunk(_meta(rid, 0), 0, 300, None)])
+            w.submit_forward(_tensors(batch, 0, 700), [Chunk(_meta(rid, 300), 300, 700, 700)])
+        w.fail_request("hsdump-eqfail", "stand-in failure", 3)
+        assert w.flush(timeout=60)
+        w.close()
+        out[m] = {rid: _files_bytes(d, rid) for rid in
+                  [f"hsdump-eq{r}" for r in range(5)] + ["hsdump-eqfail"]}
+        assert w.stats.chunks_written == 10 and w.stats.requests_done == 5
+        assert w.stats.requests_failed == 1 and w.stats.mode == m
+    assert out["process"] == out["thread"]
+    assert set(out["process"]["hsdump-eq0"]) == {protocol.chunk_filename(0),
+                                                  protocol.chunk_filename(300),
+                                                  protocol.DONE_MARKER}
+
+
+def _wait_for(cond, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_a_dead_writer_process_is_reported_and_never_blocks_the_forward(dump_dir: Path) -> None:
+    """The writer process is killed: the request it held unfinished gets an error marker,
+    every later chunk fails its request with a clear error (no hang, even with the cap full),
+    the counters say so, and the writer closes."""
+    cap = 256 << 10
+    w = _writer(dump_dir, cap=cap, threads=2, mode="process")
+    batch = _batch(400, seed=12)
+    w.submit(_meta("hsdump-open", 0), _tensors(batch, 0, 100), prompt_len=None)  # no marker yet
+    w.submit(_meta("hsdump-ok", 0), _tensors(batch, 0, 100), prompt_len=100)
+    assert w.flush(timeout=30)
+    assert protocol.request_status(dump_dir, "hsdump-ok").done is not None
+    assert not protocol.request_status(dump_dir, "hsdump-open").finished
+    os.kill(w.writer_pid, 9)
+    assert _wait_for(lambda: w.stats.writer_process_deaths == 1)
+    err = _error(dump_dir, "hsdump-open")  # it was sent, unfinished: failed on its behalf
+    assert "writer process" in err.reason and "killed by signal 9" in err.reason
+    assert err.chunks == [0]
+    # Many chunks, each most of the cap: the forward never waits on the dead process's pages.
+    t0 = time.monotonic()
+    for i in range(20):
+        w.submit(_meta(f"hsdump-late{i}", 0), _tensors(batch, 0, 400), prompt_len=400)
+    w.submit(_meta("hsdump-open", 100), _tensors(batch, 100, 200), prompt_len=200)
+    assert time.monotonic() - t0 < 10
+    assert w.flush(timeout=30)
+    for i in range(20):
+        reason = _error(dump_dir, f"hsdump-late{i}").reason
+        assert "dumping is stopped" in reason and "keeps serving" in reason
+    stats = w.stats.as_dict()
+    assert stats["writer_error"] is not None and "killed by signal 9" in stats["writer_error"]
+    assert stats["requests_failed"] >= 21 and stats["requests_done"] == 1
+    w.close()
+    assert w.inflight_bytes == 0 and _temp_files(dump_dir) == []
+
+
+def test_process_writer_memory_is_one_fixed_shared_region(dump_dir: Path) -> None:
+    """Process mode stages in one shared region of the cap's size: the in-flight bytes never
+    pass the cap, the staging memory is the cap from the start and never grows, a chunk
+    larger than the cap fails its request with the variable to raise, and the forward thread
+    waits (rather than memory growing) when the writer falls behind."""
+    cap = 1 << 20
+    w = _writer(dump_dir, cap=cap, threads=2, mode="process")
+    assert w.stats.staging_bytes == cap
+    big = _batch(4000, seed=13)  # 2 MiB: larger than the cap
+    samples: list[tuple[int, int]] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            samples.append((w.inflight_bytes, w.stats.staging_bytes))
+            time.sleep(0.0002)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    g = torch.Generator().manual_seed(14)
+    for i in range(60):
+        if i == 30:
+            w.submit(_meta("hsdump-big", 0), _tensors(big, 0, 4000), prompt_len=4000)
+            continue
+        n = int(torch.randint(1, 1500, (1,), generator=g))
+        w.submit(_meta(f"hsdump-s{i}", 0), _tensors(big, 0, n), prompt_len=n)
+    assert w.flush(timeout=60)
+    stop.set()
+    sampler.join()
+    w.close()
+    assert len(samples) > 50
+    assert max(inflight for inflight, _ in samples) <= cap
+    assert {staging for _, staging in samples} == {cap}
+    assert w.stats.peak_inflight_bytes <= cap and w.stats.forward_wait_s > 0
+    reason = _error(dump_dir, "hsdump-big").reason
+    assert "in-flight cap" in reason and protocol.ENV_MAX_INFLIGHT in reason
+    assert w.stats.requests_done == 59 and w.stats.internal_errors == 0
+    assert w.stats.staging_bytes == 0

@@ -104,6 +104,7 @@ class ProcessFiles:
         self.deaths = 0
         self.local = FileStats()  # markers written here after the child died
         self.sent = 0  # messages handed to the waiter
+        self._handled = 0  # of them, sent to the child or settled here by the waiter
         self._pending: list[tuple] = []
         self._out: queue.SimpleQueue[tuple[Ready | None, list[tuple]] | None] = (
             queue.SimpleQueue())
@@ -175,8 +176,11 @@ class ProcessFiles:
                             for k in FileStats.__dataclass_fields__})
 
     def idle(self) -> bool:
-        """Every message committed has had its full effect (or the child is gone)."""
-        return self.dead is not None or self.region.counter("settled") >= self.sent
+        """Every message committed has had its full effect (after the child died: has been
+        handled here)."""
+        if self.dead is not None:
+            return self._handled >= self.sent
+        return self.region.counter("settled") >= self.sent
 
     def close(self, timeout: float = 60.0) -> None:
         """Stop the child once it has written everything (killed after ``timeout``)."""
@@ -214,18 +218,20 @@ class ProcessFiles:
                 except Exception as e:  # a CUDA error: the copies never landed
                     logger.exception("hsdump: waiting for a forward's copies failed")
                     msgs = [_as_failure(m, f"the copy to host failed: {e!r}") for m in msgs]
-            if self.dead is None:
+            if self.dead is None and msgs[0][0] != "dead":
                 self._remember(msgs)
                 pages = [i for m in msgs for i in _pages_of(m)]
                 self.region.state[pages] = SENT
                 try:
                     data = pickle.dumps(msgs, protocol=pickle.HIGHEST_PROTOCOL)
                     _write_all(self._pipe, _FRAME.pack(len(data)) + data)
+                    self._handled += len(msgs)
                     continue
                 except OSError as e:
                     self.region.state[pages] = STAGED
-                    self._died(f"the pipe to it broke ({e})")
+                    self._died(f"stopped reading its pipe ({e})")
             self._settle_locally(msgs)
+            self._handled += sum(m[0] != "dead" for m in msgs)
 
     def _watch(self) -> None:
         code = self.proc.wait()
