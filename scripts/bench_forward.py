@@ -139,7 +139,7 @@ def expected_hidden(rows: range, slots: int, hidden: int, forward: int,
     return row[:, :, None].float() + col[None, None, :]
 
 
-def _prev_write_json_atomic(path: Path, payload: dict) -> None:
+def _prev_write_json_atomic(path: Path, payload: dict, **_: object) -> None:
     """``protocol.write_json_atomic`` before 2026-12-02 (for the ``prev`` condition)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, protocol.FILE_MODE)

@@ -546,3 +546,19 @@ def test_process_writer_memory_is_one_fixed_shared_region(dump_dir: Path) -> Non
     assert "in-flight cap" in reason and protocol.ENV_MAX_INFLIGHT in reason
     assert w.stats.requests_done == 59 and w.stats.internal_errors == 0
     assert w.stats.staging_bytes == 0
+
+
+def test_writer_mode_setting_defaults_to_the_process_and_refuses_other_values() -> None:
+    """SGLANG_HS_DUMP_WRITER picks the mode (process by default); a bad value is a clear
+    start-up error naming the variable and the choices; a bad mode is refused by the writer."""
+    from hsdump_patch.capture.config import ENV_WRITER_MODE, ConfigError, DumpConfig
+
+    env = {protocol.ENV_DIR: "/dev/shm/x"}
+    assert DumpConfig.from_env(env).writer_mode == "process"
+    assert DumpConfig.from_env({**env, ENV_WRITER_MODE: " Thread "}).writer_mode == "thread"
+    with pytest.raises(ConfigError, match="SGLANG_HS_DUMP_WRITER='fork' must be one of "
+                                          "process, thread"):
+        DumpConfig.from_env({**env, ENV_WRITER_MODE: "fork"})
+    with pytest.raises(ValueError, match="writer mode must be one of"):
+        DumpWriter(Path("/nonexistent"), max_inflight_bytes=1 << 20, min_free_bytes=0,
+                   threads=1, device=CPU, mode="fork")

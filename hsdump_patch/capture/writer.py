@@ -93,6 +93,7 @@ class WriterStats:
     peak_inflight_bytes: int = 0  # most staging bytes held by chunks at once
     staging_bytes: int = 0  # staging memory allocated now (pool of pages)
     mode: str = "thread"  # where files are written: "thread" or "process"
+    writer_pid: int = 0  # the process that writes the files
     writer_process_deaths: int = 0  # process mode: the writer process died (dumping stopped)
     writer_error: str | None = None  # why dumping stopped, when it did
 
@@ -278,6 +279,7 @@ class DumpWriter:
         files = self._files.stats
         for name in FileStats.__dataclass_fields__:
             setattr(self._stats, name, getattr(files, name))
+        self._stats.writer_pid = self.writer_pid
         self._stats.writer_process_deaths = self._files.deaths
         self._stats.writer_error = self._files.dead
         return self._stats
