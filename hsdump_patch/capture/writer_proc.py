@@ -112,15 +112,17 @@ class ProcessFiles:
         self._closing = False
         self._stopped = False  # closed: what comes later is settled here
         r, w = os.pipe()
-        pkg_root = str(Path(__file__).resolve().parents[2])
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
+        # This very package: its root goes first on the child's path only when it is not there
+        # already (a source tree; an installed package's site-packages keeps its place).
+        root = str(Path(__file__).resolve().parents[2])
+        boot = (f"import sys; r = {root!r}; r in sys.path or sys.path.insert(0, r); "
+                "from hsdump_patch.capture.writer_proc import main; sys.exit(main())")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "hsdump_patch.capture.writer_proc", "--memfd",
+            [sys.executable, "-c", boot, "--memfd",
              str(region.fd), "--pipe", str(r), "--dump-dir", str(self.dump_dir), "--threads",
              str(threads), "--pages", str(region.pages), "--page-bytes", str(region.page_bytes),
              "--parent", str(os.getpid())],
-            pass_fds=(region.fd, r), stdin=subprocess.DEVNULL, env=env)
+            pass_fds=(region.fd, r), stdin=subprocess.DEVNULL)
         os.close(r)
         self._pipe = w
         self._waiter = threading.Thread(target=self._wait_and_send, name="hsdump-writer-send",
