@@ -220,12 +220,11 @@ def test_cap_blocks_the_submitting_thread(dump_dir: Path) -> None:
     assert w.stats.requests_done == 12
 
 
-def test_memory_stays_bounded_by_the_cap(dump_dir: Path) -> None:
-    cap = 1 << 20
-    w = _writer(dump_dir, cap=cap, threads=3)
-    page = w.page_bytes
-    big = _batch(4000, seed=4)  # 4000 tokens = 2 MiB: larger than the cap
-    oversize = -(-(4000 * (SLOTS * HIDDEN * 2 + 16) + 4096) // page) * page  # bound, in pages
+def _submit_sampled(w: DumpWriter, big: tuple[torch.Tensor, ...], count: int, seed: int
+                    ) -> tuple[list[tuple[int, int]], int]:
+    """Submit ``count`` requests of random sizes (the middle one: all 4000 rows of ``big``,
+    2 MiB) while a thread samples (in-flight bytes, staging bytes); flush. Return the samples
+    and the staging bytes right after the flush."""
     samples: list[tuple[int, int]] = []
     stop = threading.Event()
 
@@ -236,9 +235,9 @@ def test_memory_stays_bounded_by_the_cap(dump_dir: Path) -> None:
 
     sampler = threading.Thread(target=sample)
     sampler.start()
-    g = torch.Generator().manual_seed(5)
-    for i in range(80):
-        if i == 40:
+    g = torch.Generator().manual_seed(seed)
+    for i in range(count):
+        if i == count // 2:
             w.submit(_meta("hsdump-big", 0), _tensors(big, 0, 4000), prompt_len=4000)
             continue
         n = int(torch.randint(1, 1500, (1,), generator=g))
@@ -247,6 +246,16 @@ def test_memory_stays_bounded_by_the_cap(dump_dir: Path) -> None:
     after_flush = w.stats.staging_bytes
     stop.set()
     sampler.join()
+    return samples, after_flush
+
+
+def test_memory_stays_bounded_by_the_cap(dump_dir: Path) -> None:
+    cap = 1 << 20
+    w = _writer(dump_dir, cap=cap, threads=3)
+    page = w.page_bytes
+    big = _batch(4000, seed=4)  # 4000 tokens = 2 MiB: larger than the cap
+    oversize = -(-(4000 * (SLOTS * HIDDEN * 2 + 16) + 4096) // page) * page  # bound, in pages
+    samples, after_flush = _submit_sampled(w, big, 80, seed=5)
     w.close()
 
     assert len(samples) > 100
@@ -517,26 +526,7 @@ def test_process_writer_memory_is_one_fixed_shared_region(dump_dir: Path) -> Non
     w = _writer(dump_dir, cap=cap, threads=2, mode="process")
     assert w.stats.staging_bytes == cap
     big = _batch(4000, seed=13)  # 2 MiB: larger than the cap
-    samples: list[tuple[int, int]] = []
-    stop = threading.Event()
-
-    def sample() -> None:
-        while not stop.is_set():
-            samples.append((w.inflight_bytes, w.stats.staging_bytes))
-            time.sleep(0.0002)
-
-    sampler = threading.Thread(target=sample)
-    sampler.start()
-    g = torch.Generator().manual_seed(14)
-    for i in range(60):
-        if i == 30:
-            w.submit(_meta("hsdump-big", 0), _tensors(big, 0, 4000), prompt_len=4000)
-            continue
-        n = int(torch.randint(1, 1500, (1,), generator=g))
-        w.submit(_meta(f"hsdump-s{i}", 0), _tensors(big, 0, n), prompt_len=n)
-    assert w.flush(timeout=60)
-    stop.set()
-    sampler.join()
+    samples, _ = _submit_sampled(w, big, 60, seed=14)
     w.close()
     assert len(samples) > 50
     assert max(inflight for inflight, _ in samples) <= cap

@@ -82,13 +82,9 @@ class _Staged:
 
 
 @dataclass
-class WriterStats:
-    chunks_written: int = 0
-    chunks_failed: int = 0
-    bytes_written: int = 0
-    requests_done: int = 0
-    requests_failed: int = 0
-    internal_errors: int = 0
+class WriterStats(FileStats):
+    """The file side's counters and the forward side's."""
+
     forward_wait_s: float = 0.0  # time the forward thread waited for in-flight budget
     peak_inflight_bytes: int = 0  # most staging bytes held by chunks at once
     staging_bytes: int = 0  # staging memory allocated now (pool of pages)
