@@ -517,14 +517,19 @@ def test_a_dead_writer_process_is_reported_and_never_blocks_the_forward(dump_dir
     assert w.inflight_bytes == 0 and _temp_files(dump_dir) == []
 
 
-def test_process_writer_memory_is_one_fixed_shared_region(dump_dir: Path) -> None:
+def test_process_writer_memory_is_one_fixed_shared_region(dump_dir: Path,
+                                                         caplog: pytest.LogCaptureFixture
+                                                         ) -> None:
     """Process mode stages in one shared region of the cap's size: the in-flight bytes never
     pass the cap, the staging memory is the cap from the start and never grows, a chunk
     larger than the cap fails its request with the variable to raise, and the forward thread
     waits (rather than memory growing) when the writer falls behind."""
     cap = 1 << 20
-    w = _writer(dump_dir, cap=cap, threads=2, mode="process")
+    with caplog.at_level("INFO", logger="hsdump"):
+        w = _writer(dump_dir, cap=cap, threads=2, mode="process")
     assert w.stats.staging_bytes == cap
+    assert (f"writer process pid {w.writer_pid} (2 threads), staging 16 pages of 64 KiB in "
+            "shared memory (2 MiB)") in caplog.text  # the cap + 1 MiB of counters and states
     big = _batch(4000, seed=13)  # 2 MiB: larger than the cap
     samples, _ = _submit_sampled(w, big, 60, seed=14)
     w.close()
