@@ -118,7 +118,7 @@ class ProcessFiles:
         boot = (f"import sys; r = {root!r}; r in sys.path or sys.path.insert(0, r); "
                 "from hsdump_patch.capture.writer_proc import main; sys.exit(main())")
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", boot, "--memfd",
+            [sys.executable, "-P", "-c", boot, "--memfd",  # -P: not the server's cwd first
              str(region.fd), "--pipe", str(r), "--dump-dir", str(self.dump_dir), "--threads",
              str(threads), "--pages", str(region.pages), "--page-bytes", str(region.page_bytes),
              "--parent", str(os.getpid())],
