@@ -16,9 +16,11 @@ off, and on through the project's own capture code, driven in the order
   ``CaptureBuffers.handed_off`` records the copies;
 * then the host waits for the forward, as the scheduler does for its sampled tokens.
 
-Three conditions in one run, in ABBA order (``off, on, old, old, on, off`` per round): ``off``
-(no capture), ``on`` (the shipped two buffers used in turn) and ``old`` (one buffer, the
-ordering before issue 17: each forward waits for all of the previous forward's copies). Each
+Four conditions in one run, in ABBA order (``off, on, thread, old, old, thread, on, off`` per
+round): ``off`` (no capture), ``on`` (what ships: two buffers used in turn, and the default
+writer mode, the writer process), the other writer mode (``thread``: the writer's threads in
+this process) and ``old`` (one buffer and threads, the ordering before issue 17: each forward
+waits for all of the previous forward's copies). Each
 block is ``--warmup`` untimed forwards then ``--forwards`` timed ones (default 1 + 1: the
 conditions alternate forward by forward, and each timed forward follows one of its own
 condition). Each timed forward's wall time is one sample; the table gives medians, the
@@ -69,10 +71,11 @@ VOCAB = 163_840  # Kimi-K2.5's vocabulary
 # with the other writer mode; "old": one buffer (the ordering before issue 17), thread writer.
 ALT = next(m for m in config.WRITER_MODES if m != config.DEFAULT_WRITER_MODE)
 CONDITIONS = ("off", "on", ALT, "old")
-# --diagnose adds conditions that each leave out or add a part of "on" (their files are not
-# checked): pack: the packing copies (_ForwardState.store), no hand-off; nod2h: packing + every
-# submit's host work, but no device-to-host copy and no file; nowrite: all of "on" but the
-# writer threads write no file; onsync / onflush: "on", but after each forward (untimed) the
+# --diagnose adds conditions that each leave out or add a part of the thread writer's dump
+# ("thread"; their files are not checked): pack: the packing copies (_ForwardState.store),
+# no hand-off; nod2h: packing + every submit's host work, but no device-to-host copy and no
+# file; nowrite: all of "thread" but the writer threads write no file; onsync / onflush:
+# "thread", but after each forward (untimed) the
 # copies / the copies and the writer threads finish, so nothing of the dump overlaps the next
 # forward; gil / mem: no dump, but at each forward's start 8 threads make the Python calls of
 # the writer threads (~15 syscalls each, GIL held between them) / copy a file's bytes in host
