@@ -75,14 +75,13 @@ CONDITIONS = ("off", "on", ALT, "old")
 # ("thread"; their files are not checked): pack: the packing copies (_ForwardState.store),
 # no hand-off; nod2h: packing + every submit's host work, but no device-to-host copy and no
 # file; nowrite: all of "thread" but the writer threads write no file; onsync / onflush:
-# "thread", but after each forward (untimed) the
-# copies / the copies and the writer threads finish, so nothing of the dump overlaps the next
-# forward; gil / mem: no dump, but at each forward's start 8 threads make the Python calls of
-# the writer threads (~15 syscalls each, GIL held between them) / copy a file's bytes in host
-# memory (GIL released): which of the two slows the forward; prev: "on" with the writer's and
-# the session's system calls and buffer acquisition as before 2026-12-02 05:00 UTC (4 pages
-# per pwritev, mkdir + stat per request, markers through a file object, the buffer taken at
-# the first captured layer).
+# "thread", but after each forward (untimed) the copies / the copies and the writer threads
+# finish, so nothing of the dump overlaps the next forward; gil / mem: no dump, but at each
+# forward's start 8 threads make the Python calls of the writer threads (~15 syscalls each,
+# GIL held between them) / copy a file's bytes in host memory (GIL released): which of the
+# two slows the forward; prev: "thread" with the writer's and the session's system calls and
+# buffer acquisition as before 2026-12-02 05:00 UTC (4 pages per pwritev, mkdir + stat per
+# request, markers through a file object, the buffer taken at the first captured layer).
 DIAGNOSTIC = ("pack", "nod2h", "nowrite", "onsync", "onflush", "gil", "mem", "prev")
 GOAL = 1.01
 
