@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from hsdump_patch import protocol
 from hsdump_patch.capture import writer as writer_module
 from hsdump_patch.capture.session import copy_rows
-from hsdump_patch.capture.writer import Chunk, DumpWriter
+from hsdump_patch.capture.writer import MODES, Chunk, DumpWriter
 
 SLOTS, HIDDEN = 4, 64
 CPU = torch.device("cpu")
@@ -54,9 +54,16 @@ def dump_dir(tmp_path: Path) -> Path:
     return d
 
 
-def _writer(dump_dir: Path, cap: int = 1 << 20, threads: int = 4, min_free: int = 0) -> DumpWriter:
+def _writer(dump_dir: Path, cap: int = 1 << 20, threads: int = 4, min_free: int = 0,
+            mode: str = "thread") -> DumpWriter:
     return DumpWriter(dump_dir, max_inflight_bytes=cap, min_free_bytes=min_free, threads=threads,
-                      device=CPU)
+                      device=CPU, mode=mode)
+
+
+@pytest.fixture(params=MODES)
+def mode(request: pytest.FixtureRequest) -> str:
+    """Both writer modes: threads in this process, and the writer process (shared memory)."""
+    return request.param
 
 
 def _temp_files(root: Path) -> list[Path]:
@@ -69,7 +76,8 @@ def _error(dump_dir: Path, rid: str) -> protocol.ErrorMarker:
     return status.error
 
 
-def test_submit_forward_writes_each_requests_rows_and_fails_a_bad_range(dump_dir: Path) -> None:
+def test_submit_forward_writes_each_requests_rows_and_fails_a_bad_range(dump_dir: Path,
+                                                                         mode: str) -> None:
     """One forward's hand-off in one call (as the capture does): each chunk file holds exactly
     its rows of the whole-batch tensors; a range outside them fails only its own request."""
     batch = _batch(300, seed=3, hidden=256)
@@ -77,7 +85,7 @@ def test_submit_forward_writes_each_requests_rows_and_fails_a_bad_range(dump_dir
                                      protocol.POSITIONS_KEY), batch, strict=True)]
     bounds = {"hsdump-f0": (0, 7), "hsdump-f1": (7, 250), "hsdump-f2": (250, 300)}
     expected = {rid: [(k, t[a:b].clone()) for k, t in whole] for rid, (a, b) in bounds.items()}
-    w = _writer(dump_dir)
+    w = _writer(dump_dir, mode=mode)
     chunks = [Chunk(_meta(rid, 0), a, b, b - a) for rid, (a, b) in bounds.items()]
     w.submit_forward(whole, [*chunks, Chunk(_meta("hsdump-bad", 0), 250, 301, 51)])
     batch[0].zero_()
@@ -102,11 +110,12 @@ def test_copy_rows_packs_a_slot_exactly() -> None:
         assert not buf[:33, [0, 1, 3]].any() and not buf[33:].any()
 
 
-def test_chunks_are_safetensors_with_exact_bytes_and_private_modes(dump_dir: Path) -> None:
+def test_chunks_are_safetensors_with_exact_bytes_and_private_modes(dump_dir: Path,
+                                                                   mode: str) -> None:
     batch = _batch(500, seed=0, hidden=256)
     # 3 chunks of one request; the middle one (~460 KB) spans several 64 KiB pages/threads.
     bounds = [(0, 40), (40, 340), (340, 347)]
-    w = _writer(dump_dir)
+    w = _writer(dump_dir, mode=mode)
     assert w.page_bytes == 64 << 10
     expected = {a: [(k, t.clone()) for k, t in _tensors(batch, a, b)] for a, b in bounds}
     for a, b in bounds:
@@ -139,8 +148,8 @@ def test_chunks_are_safetensors_with_exact_bytes_and_private_modes(dump_dir: Pat
     assert w.stats.internal_errors == 0 and w.stats.staging_bytes == 0
 
 
-def test_done_marker_only_after_every_chunk(dump_dir: Path) -> None:
-    w = _writer(dump_dir, cap=4 << 20, threads=4)
+def test_done_marker_only_after_every_chunk(dump_dir: Path, mode: str) -> None:
+    w = _writer(dump_dir, cap=4 << 20, threads=4, mode=mode)
     batch = _batch(64, seed=1)
     w.submit(_meta("hsdump-a", 0), _tensors(batch, 0, 30), prompt_len=None)
     w.submit(_meta("hsdump-a", 30), _tensors(batch, 30, 60), prompt_len=None)
@@ -211,12 +220,11 @@ def test_cap_blocks_the_submitting_thread(dump_dir: Path) -> None:
     assert w.stats.requests_done == 12
 
 
-def test_memory_stays_bounded_by_the_cap(dump_dir: Path) -> None:
-    cap = 1 << 20
-    w = _writer(dump_dir, cap=cap, threads=3)
-    page = w.page_bytes
-    big = _batch(4000, seed=4)  # 4000 tokens = 2 MiB: larger than the cap
-    oversize = -(-(4000 * (SLOTS * HIDDEN * 2 + 16) + 4096) // page) * page  # bound, in pages
+def _submit_sampled(w: DumpWriter, big: tuple[torch.Tensor, ...], count: int, seed: int
+                    ) -> tuple[list[tuple[int, int]], int]:
+    """Submit ``count`` requests of random sizes (the middle one: all 4000 rows of ``big``,
+    2 MiB) while a thread samples (in-flight bytes, staging bytes); flush. Return the samples
+    and the staging bytes right after the flush."""
     samples: list[tuple[int, int]] = []
     stop = threading.Event()
 
@@ -227,9 +235,9 @@ def test_memory_stays_bounded_by_the_cap(dump_dir: Path) -> None:
 
     sampler = threading.Thread(target=sample)
     sampler.start()
-    g = torch.Generator().manual_seed(5)
-    for i in range(80):
-        if i == 40:
+    g = torch.Generator().manual_seed(seed)
+    for i in range(count):
+        if i == count // 2:
             w.submit(_meta("hsdump-big", 0), _tensors(big, 0, 4000), prompt_len=4000)
             continue
         n = int(torch.randint(1, 1500, (1,), generator=g))
@@ -238,6 +246,16 @@ def test_memory_stays_bounded_by_the_cap(dump_dir: Path) -> None:
     after_flush = w.stats.staging_bytes
     stop.set()
     sampler.join()
+    return samples, after_flush
+
+
+def test_memory_stays_bounded_by_the_cap(dump_dir: Path) -> None:
+    cap = 1 << 20
+    w = _writer(dump_dir, cap=cap, threads=3)
+    page = w.page_bytes
+    big = _batch(4000, seed=4)  # 4000 tokens = 2 MiB: larger than the cap
+    oversize = -(-(4000 * (SLOTS * HIDDEN * 2 + 16) + 4096) // page) * page  # bound, in pages
+    samples, after_flush = _submit_sampled(w, big, 80, seed=5)
     w.close()
 
     assert len(samples) > 100
@@ -268,8 +286,8 @@ def test_free_space_guard_writes_an_error_marker_and_no_chunk(dump_dir: Path) ->
     assert w.stats.requests_failed == 1 and w.stats.chunks_written == 0
 
 
-def test_write_failure_gives_an_error_marker_and_never_raises(dump_dir: Path) -> None:
-    w = _writer(dump_dir)
+def test_write_failure_gives_an_error_marker_and_never_raises(dump_dir: Path, mode: str) -> None:
+    w = _writer(dump_dir, mode=mode)
     batch = _batch(64, seed=7)
     # The final name is taken by a directory: the rename fails after the data was written.
     d = protocol.rid_dir(dump_dir, "hsdump-w1")
@@ -299,8 +317,8 @@ def test_write_failure_gives_an_error_marker_and_never_raises(dump_dir: Path) ->
     assert _temp_files(dump_dir) == []
 
 
-def test_fail_request_and_submit_after_close(dump_dir: Path) -> None:
-    w = _writer(dump_dir)
+def test_fail_request_and_submit_after_close(dump_dir: Path, mode: str) -> None:
+    w = _writer(dump_dir, mode=mode)
     batch = _batch(16, seed=8)
     w.submit(_meta("hsdump-f", 0), _tensors(batch, 0, 8), prompt_len=None)
     w.fail_request("hsdump-f", "aborted by the client", prompt_len=16)
@@ -315,10 +333,10 @@ def test_fail_request_and_submit_after_close(dump_dir: Path) -> None:
     assert w.stats.requests_failed == 2
 
 
-def test_resent_rid_after_a_failure_gets_a_fresh_done_marker(dump_dir: Path) -> None:
+def test_resent_rid_after_a_failure_gets_a_fresh_done_marker(dump_dir: Path, mode: str) -> None:
     """A failed rid keeps its state (late chunks are dropped), until a new attempt begins:
     the client removes the old directory and re-sends the same rid."""
-    w = _writer(dump_dir)
+    w = _writer(dump_dir, mode=mode)
     batch = _batch(64, seed=9)
     d = protocol.rid_dir(dump_dir, "hsdump-retry")
     protocol.make_private_dir(d / protocol.chunk_filename(0))  # chunk 0 cannot be renamed
@@ -341,8 +359,8 @@ def test_resent_rid_after_a_failure_gets_a_fresh_done_marker(dump_dir: Path) -> 
                                                  "tokens": 64, "chunks": [0, 40]}
 
 
-def test_aborted_attempt_leaves_no_stale_counts(dump_dir: Path) -> None:
-    w = _writer(dump_dir)
+def test_aborted_attempt_leaves_no_stale_counts(dump_dir: Path, mode: str) -> None:
+    w = _writer(dump_dir, mode=mode)
     batch = _batch(64, seed=10)
     w.submit(_meta("hsdump-abort", 0), _tensors(batch, 0, 20), prompt_len=None)  # then aborted
     assert w.flush(timeout=30)
@@ -422,3 +440,120 @@ def test_a_failed_copy_gives_its_staging_pages_back(dump_dir: Path) -> None:
         assert "cannot copy the chunk" in _error(dump_dir, f"hsdump-bad{n}").reason
     assert protocol.request_status(dump_dir, "hsdump-good").done is not None
     assert w.stats.internal_errors == 8 and _temp_files(dump_dir) == []
+
+
+def _files_bytes(dump_dir: Path, rid: str) -> dict[str, bytes]:
+    d = protocol.rid_dir(dump_dir, rid)
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
+
+
+def test_process_writer_files_equal_the_thread_writers_byte_for_byte(tmp_path: Path) -> None:
+    """The same forwards through both modes give the same files, byte for byte (chunks and
+    markers), with chunks spanning several pages."""
+    batch = _batch(700, seed=11, hidden=256)
+    out = {}
+    for m in MODES:
+        d = tmp_path / m
+        protocol.make_private_dir(d)
+        w = _writer(d, cap=1 << 20, threads=3, mode=m)
+        for r in range(5):
+            rid = f"hsdump-eq{r}"
+            w.begin_request(rid)
+            w.submit_forward(_tensors(batch, 0, 700), [Chunk(_meta(rid, 0), 0, 300, None)])
+            w.submit_forward(_tensors(batch, 0, 700), [Chunk(_meta(rid, 300), 300, 700, 700)])
+        w.fail_request("hsdump-eqfail", "stand-in failure", 3)
+        assert w.flush(timeout=60)
+        w.close()
+        out[m] = {rid: _files_bytes(d, rid) for rid in
+                  [f"hsdump-eq{r}" for r in range(5)] + ["hsdump-eqfail"]}
+        assert w.stats.chunks_written == 10 and w.stats.requests_done == 5
+        assert w.stats.requests_failed == 1 and w.stats.mode == m
+    assert out["process"] == out["thread"]
+    assert set(out["process"]["hsdump-eq0"]) == {protocol.chunk_filename(0),
+                                                  protocol.chunk_filename(300),
+                                                  protocol.DONE_MARKER}
+
+
+def _wait_for(cond, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_a_dead_writer_process_is_reported_and_never_blocks_the_forward(dump_dir: Path) -> None:
+    """The writer process is killed: the request it held unfinished gets an error marker,
+    every later chunk fails its request with a clear error (no hang, even with the cap full),
+    the counters say so, and the writer closes."""
+    cap = 256 << 10
+    w = _writer(dump_dir, cap=cap, threads=2, mode="process")
+    batch = _batch(400, seed=12)
+    w.submit(_meta("hsdump-open", 0), _tensors(batch, 0, 100), prompt_len=None)  # no marker yet
+    w.submit(_meta("hsdump-ok", 0), _tensors(batch, 0, 100), prompt_len=100)
+    assert w.flush(timeout=30)
+    assert protocol.request_status(dump_dir, "hsdump-ok").done is not None
+    assert not protocol.request_status(dump_dir, "hsdump-open").finished
+    os.kill(w.writer_pid, 9)
+    assert _wait_for(lambda: w.stats.writer_process_deaths == 1)
+    err = _error(dump_dir, "hsdump-open")  # it was sent, unfinished: failed on its behalf
+    assert "writer process" in err.reason and "killed by signal 9" in err.reason
+    assert err.chunks == [0]
+    # Many chunks, each most of the cap: the forward never waits on the dead process's pages.
+    t0 = time.monotonic()
+    for i in range(20):
+        w.submit(_meta(f"hsdump-late{i}", 0), _tensors(batch, 0, 400), prompt_len=400)
+    w.submit(_meta("hsdump-open", 100), _tensors(batch, 100, 200), prompt_len=200)
+    assert time.monotonic() - t0 < 10
+    assert w.flush(timeout=30)
+    for i in range(20):
+        reason = _error(dump_dir, f"hsdump-late{i}").reason
+        assert "dumping is stopped" in reason and "keeps serving" in reason
+    stats = w.stats.as_dict()
+    assert stats["writer_error"] is not None and "killed by signal 9" in stats["writer_error"]
+    assert stats["requests_failed"] >= 21 and stats["requests_done"] == 1
+    w.close()
+    assert w.inflight_bytes == 0 and _temp_files(dump_dir) == []
+
+
+def test_process_writer_memory_is_one_fixed_shared_region(dump_dir: Path,
+                                                         caplog: pytest.LogCaptureFixture
+                                                         ) -> None:
+    """Process mode stages in one shared region of the cap's size: the in-flight bytes never
+    pass the cap, the staging memory is the cap from the start and never grows, a chunk
+    larger than the cap fails its request with the variable to raise, and the forward thread
+    waits (rather than memory growing) when the writer falls behind."""
+    cap = 1 << 20
+    with caplog.at_level("INFO", logger="hsdump"):
+        w = _writer(dump_dir, cap=cap, threads=2, mode="process")
+    assert w.stats.staging_bytes == cap
+    assert (f"writer process pid {w.writer_pid} (2 threads), staging 16 pages of 64 KiB in "
+            "shared memory (2 MiB)") in caplog.text  # the cap + 1 MiB of counters and states
+    big = _batch(4000, seed=13)  # 2 MiB: larger than the cap
+    samples, _ = _submit_sampled(w, big, 60, seed=14)
+    w.close()
+    assert len(samples) > 50
+    assert max(inflight for inflight, _ in samples) <= cap
+    assert {staging for _, staging in samples} == {cap}
+    assert w.stats.peak_inflight_bytes <= cap and w.stats.forward_wait_s > 0
+    reason = _error(dump_dir, "hsdump-big").reason
+    assert "in-flight cap" in reason and protocol.ENV_MAX_INFLIGHT in reason
+    assert w.stats.requests_done == 59 and w.stats.internal_errors == 0
+    assert w.stats.staging_bytes == 0
+
+
+def test_writer_mode_setting_defaults_to_the_process_and_refuses_other_values() -> None:
+    """SGLANG_HS_DUMP_WRITER picks the mode (process by default); a bad value is a clear
+    start-up error naming the variable and the choices; a bad mode is refused by the writer."""
+    from hsdump_patch.capture.config import ENV_WRITER_MODE, ConfigError, DumpConfig
+
+    env = {protocol.ENV_DIR: "/dev/shm/x"}
+    assert DumpConfig.from_env(env).writer_mode == "process"
+    assert DumpConfig.from_env({**env, ENV_WRITER_MODE: " Thread "}).writer_mode == "thread"
+    with pytest.raises(ConfigError, match="SGLANG_HS_DUMP_WRITER='fork' must be one of "
+                                          "process, thread"):
+        DumpConfig.from_env({**env, ENV_WRITER_MODE: "fork"})
+    with pytest.raises(ValueError, match="writer mode must be one of"):
+        DumpWriter(Path("/nonexistent"), max_inflight_bytes=1 << 20, min_free_bytes=0,
+                   threads=1, device=CPU, mode="fork")

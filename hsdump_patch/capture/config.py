@@ -30,6 +30,11 @@ from hsdump_patch.protocol import (
 DEFAULT_MAX_INFLIGHT = 4 << 30
 DEFAULT_MIN_FREE = 1 << 30
 DEFAULT_WRITER_THREADS = 8
+# Where chunk files are written: "process" (a writer process, off the forward's GIL: measured
+# best on the H200, docs/PERFORMANCE.md) or "thread" (threads of the server's process).
+ENV_WRITER_MODE = "SGLANG_HS_DUMP_WRITER"
+WRITER_MODES = ("process", "thread")
+DEFAULT_WRITER_MODE = "process"
 
 _RID_PREFIX_RE = re.compile(r"^[A-Za-z0-9._:-]+$")
 
@@ -100,6 +105,7 @@ class DumpConfig:
     max_inflight_bytes: int
     min_free_bytes: int
     writer_threads: int
+    writer_mode: str = DEFAULT_WRITER_MODE
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> DumpConfig | None:
@@ -142,6 +148,12 @@ class DumpConfig:
         threads_raw = env.get(ENV_WRITER_THREADS, str(DEFAULT_WRITER_THREADS))
         if not threads_raw.strip().isdigit() or not 1 <= int(threads_raw) <= 64:
             raise ConfigError(f"{ENV_WRITER_THREADS}={threads_raw!r} must be an integer in 1..64")
+        mode = env.get(ENV_WRITER_MODE, DEFAULT_WRITER_MODE).strip().lower()
+        if mode not in WRITER_MODES:
+            raise ConfigError(
+                f"{ENV_WRITER_MODE}={env[ENV_WRITER_MODE]!r} must be one of "
+                f"{', '.join(WRITER_MODES)} (default {DEFAULT_WRITER_MODE}: a writer process, "
+                "off the forward's GIL)")
         return cls(
             dump_dir=dump_dir,
             layers=layers,
@@ -152,4 +164,5 @@ class DumpConfig:
             max_inflight_bytes=max_inflight,
             min_free_bytes=min_free,
             writer_threads=int(threads_raw),
+            writer_mode=mode,
         )

@@ -287,6 +287,7 @@ class CaptureSession:
                 min_free_bytes=config.min_free_bytes,
                 threads=config.writer_threads,
                 device=self.device,
+                mode=config.writer_mode,
             )
             self.buffers = CaptureBuffers(self.writer, self.slots, self.stack.hidden_size,
                                           self.dtype, self.device)

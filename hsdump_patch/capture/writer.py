@@ -2,20 +2,26 @@
 
 The forward thread calls :meth:`DumpWriter.submit_forward` once per dumped forward (or
 :meth:`DumpWriter.submit` per chunk); it only copies the chunks into staging pages (on CUDA:
-enqueues device-to-host copies into pinned pages on a side stream, after one stream wait, with
-one event per chunk) and returns: its host time is on the forward's critical path. A
-pool of threads waits for each copy, writes the chunk's pages into its temp file with
-``pwrite`` and renames the file into place. Each file is written by one thread: tmpfs
-bandwidth scales with threads writing different files, while writes to one file are serialized
-by the kernel, so several chunks (requests) are written at once instead.
+enqueues device-to-host copies into pinned pages on a side stream, after one stream wait) and
+returns: its host time is on the forward's critical path. The file side
+(:class:`~hsdump_patch.capture.files.FileWriter`: threads that write each chunk's pages into
+its file with ``pwritev``, rename it into place and write the markers) runs either
+
+* in this process (``mode="thread"``): a thread per file waits for its chunk's copy event; or
+* in a writer process (``mode="process"``, :mod:`~hsdump_patch.capture.writer_proc`): the
+  staging pages are shared memory, one waiter thread here waits for each forward's copies and
+  sends one message per forward; every file system call happens in the other process, off
+  this process's GIL (issue 17).
 
 Memory is bounded by the in-flight cap: staging memory is a pool of fixed-size pages that never
-grows past ``max_inflight_bytes`` (a chunk larger than the cap goes through alone, and its extra
-pages are dropped after it). On CUDA the pool is pinned up to the cap by a background thread
-at start; after that no page is allocated. When the cap is reached the forward thread waits
-rather than memory growing. A free-space guard refuses a chunk that would
-push the dump dir below its reserve and turns the request into an error marker instead. Nothing
-here raises into the forward: errors are counted, logged and reported in the error marker.
+grows past ``max_inflight_bytes`` (in thread mode a chunk larger than the cap goes through
+alone, and its extra pages are dropped after it; in process mode the pool is one fixed shared
+region and such a chunk fails its request with a message naming the cap). On CUDA the pool is
+pinned up to the cap by a background thread at start; after that no page is allocated. When
+the cap is reached the forward thread waits rather than memory growing. A free-space guard
+refuses a chunk that would push the dump dir below its reserve and turns the request into an
+error marker instead. Nothing here raises into the forward: errors are counted, logged and
+reported in the error marker.
 
 On CUDA every thread of the writer binds to the writer's device before its first CUDA call
 (a bare call would create a context on GPU 0), and waits for a copy on a blocking event: a
@@ -24,46 +30,29 @@ default ``torch.cuda.Event`` spins a core in ``synchronize()`` for as long as th
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import queue
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from hsdump_patch import protocol
+from hsdump_patch.capture.files import FileStats, FileWriter
+from hsdump_patch.capture.writer_proc import FREE, RELEASED, ProcessFiles, SharedRegion
 
 logger = logging.getLogger("hsdump")
 
 PAGE_BYTES = 8 << 20  # staging page; 8 MiB keeps per-call overhead < 1%
-# Pages per pwritev (up to 1 GiB, within IOV_MAX): a file in one call. Each system call of a
-# writer thread is a GIL hand-over that can delay the forward thread by the thread's Python
-# work, and the forward's first layers are host-bound (issue 17); pages go back per call.
-_PAGES_PER_WRITE = 128
 _MIN_PAGE_BYTES = 4 << 10
 _MIN_PAGES_PER_CAP = 16  # a small cap gets smaller pages, so several chunks still overlap
-_MAX_TRACKED_RIDS = 100_000
-
-
-@dataclass
-class _RidState:
-    """One attempt of a request; a new attempt of the rid (see ``begin_request``) replaces it."""
-
-    outstanding: int = 0
-    chunks: list[int] = field(default_factory=list)
-    tokens: int = 0
-    prompt_len: int | None = None  # set when the last chunk has been submitted
-    error: str | None = None
-    marker_written: bool = False  # done, or the first error (a later error changes nothing)
-    superseded: bool = False  # a newer attempt of the rid began: this one writes no marker
-    dir_made: bool = False  # its directory exists (made by a writer thread for this attempt)
+MODES = ("thread", "process")
+_POLL_S = 0.0005  # process mode: how often a waiting forward thread looks for released pages
 
 
 @dataclass(frozen=True)
@@ -78,51 +67,42 @@ class Chunk:
 
 
 @dataclass
+class _Page:
+    tensor: torch.Tensor  # uint8 [page_bytes], pinned (or registered) on CUDA
+    array: np.ndarray  # the same bytes, for host-side copies and pwrite
+    index: int = -1  # its place in the shared region (process mode)
+
+
+@dataclass
 class _Staged:
     chunk: Chunk
-    state: _RidState
     header: bytes
     nbytes: int
     pages: list[_Page]
 
 
 @dataclass
-class _Page:
-    tensor: torch.Tensor  # uint8 [page_bytes], pinned on CUDA
-    array: np.ndarray  # the same bytes, for host-side copies and pwrite
+class WriterStats(FileStats):
+    """The file side's counters and the forward side's."""
 
-
-@dataclass
-class _FileJob:
-    rid: str
-    state: _RidState  # the attempt the chunk belongs to
-    prefix_len: int
-    final: Path
-    tmp: Path
-    pages: list[_Page]  # page i holds bytes [i * page_bytes, (i + 1) * page_bytes) of the file
-    nbytes: int
-    ready: torch.cuda.Event | None  # D2H completion (CUDA only)
-    released: int = 0  # pages[:released] are written and back in the pool
-
-
-@dataclass
-class WriterStats:
-    chunks_written: int = 0
-    chunks_failed: int = 0
-    bytes_written: int = 0
-    requests_done: int = 0
-    requests_failed: int = 0
-    internal_errors: int = 0
     forward_wait_s: float = 0.0  # time the forward thread waited for in-flight budget
     peak_inflight_bytes: int = 0  # most staging bytes held by chunks at once
     staging_bytes: int = 0  # staging memory allocated now (pool of pages)
+    mode: str = "thread"  # where files are written: "thread" or "process"
+    writer_pid: int = 0  # the process that writes the files
+    writer_process_deaths: int = 0  # process mode: the writer process died (dumping stopped)
+    writer_error: str | None = None  # why dumping stopped, when it did
 
-    def as_dict(self) -> dict[str, float]:
+    def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
 
+class ChunkTooLarge(ValueError):
+    """Process mode: a chunk needs more staging than the whole (fixed) shared region."""
+
+
 class DumpWriter:
-    """Writes chunk files and markers for requests; see the module docstring."""
+    """Stages chunks for the file side; see the module docstring."""
 
     def __init__(
         self,
@@ -133,16 +113,19 @@ class DumpWriter:
         threads: int,
         device: torch.device,
         blocking_events: bool = True,
+        mode: str = "thread",
     ) -> None:
         """``blocking_events=False`` makes the copy waits spin (only to measure what that
-        costs, in scripts/bench_writer.py)."""
+        costs, in scripts/bench_writer.py). ``mode``: one of :data:`MODES`."""
+        if mode not in MODES:
+            raise ValueError(f"writer mode must be one of {MODES}, not {mode!r}")
         self.dump_dir = Path(dump_dir)
         self.max_inflight_bytes = max_inflight_bytes
         self.min_free_bytes = min_free_bytes
-        self.stats = WriterStats()
+        self.mode = mode
+        self._stats = WriterStats(mode=mode)
         self._cuda = device.type == "cuda"
         self._blocking_events = blocking_events
-        self._umask_owner_ok = _umask_keeps_owner_bits()
         # Resolved here, in the forward's thread: in another thread a bare "cuda" means GPU 0.
         self.device_index = bound_device_index(device, torch.cuda.current_device)
         self._side_stream = torch.cuda.Stream(device=device) if self._cuda else None
@@ -153,14 +136,19 @@ class DumpWriter:
         self._free: list[_Page] = []
         self._closed = False
         self._cond = threading.Condition()
-        self._rids: OrderedDict[str, _RidState] = OrderedDict()
-        self._tasks: queue.SimpleQueue[_FileJob | None] = queue.SimpleQueue()
-        self._threads = [
-            threading.Thread(target=self._worker, name=f"hsdump-writer-{i}", daemon=True)
-            for i in range(max(1, threads))
-        ]
-        for t in self._threads:
-            t.start()
+        self._region: SharedRegion | None = None
+        self._registered: list[int] = []  # process mode on CUDA: addresses to unregister
+        self._files: FileWriter | ProcessFiles
+        if mode == "process":
+            self._region = SharedRegion.create(self._cap_pages, self.page_bytes)
+            self._files = ProcessFiles(self.dump_dir, self._region, threads, self._bind_thread)
+            if not self._cuda:  # nothing to pin: the whole region is the pool at once
+                self._free = [self._shared_page(i) for i in range(self._cap_pages)][::-1]
+                self._pool_pages = self._cap_pages
+                self._stats.staging_bytes = self._pool_pages * self.page_bytes
+        else:
+            self._files = FileWriter(self.dump_dir, threads=threads, page_bytes=self.page_bytes,
+                                     release=self._release, bind=self._bind_thread)
         self._filler: threading.Thread | None = None
         if self._cuda:
             self._filler = threading.Thread(target=self._fill_pool, name="hsdump-pinned-pool",
@@ -192,87 +180,78 @@ class DumpWriter:
         """
         with self._cond:
             closed = self._closed
+        stopped = "the dump writer is shut down" if closed else self._files.dead
         fs_free = self._fs_free()
         staged: list[_Staged] = []
         for chunk in chunks:
             rid, prompt_len = chunk.meta.rid, chunk.prompt_len
-            state = self._rid_state(rid)
-            with self._cond:
-                failed = state.error is not None
-            if closed:
-                self._fail(rid, state, "the dump writer is shut down", prompt_len)
+            if stopped is not None:
+                self._files.fail(rid, stopped, prompt_len)
                 continue
-            if failed:
-                self._fail(rid, state, None, prompt_len)
+            if self._files.failed(rid):
+                self._files.fail(rid, None, prompt_len)
                 continue
             try:
                 specs = [protocol.TensorSpec(n, _st_dtype(t), _rows_shape(t, chunk))
                          for n, t in tensors]
                 header = protocol.safetensors_header(specs, chunk.meta.to_strings())
             except Exception as e:
-                self._internal_error(rid, state, prompt_len, f"cannot describe the chunk: {e!r}")
+                self._internal_error(rid, prompt_len, f"cannot describe the chunk: {e!r}")
                 continue
             nbytes = len(header) + sum(spec.nbytes for spec in specs)
             reason = self._check_free_space(nbytes, fs_free)
             if reason is not None:
-                self._fail(rid, state, reason, prompt_len)
+                self._files.fail(rid, reason, prompt_len)
                 continue
             try:
                 pages = self._acquire(-(-nbytes // self.page_bytes))
-            except Exception as e:
-                self._internal_error(rid, state, prompt_len, f"cannot allocate staging: {e!r}")
+            except ChunkTooLarge as e:
+                self._files.fail(rid, str(e), prompt_len)
                 continue
-            staged.append(_Staged(chunk, state, header, nbytes, pages))
-        if not staged:
-            return
-        try:
-            ready = self._stage([t for _, t in tensors], staged)
-        except Exception as e:  # _stage waited for any copy it had started
-            for st in staged:
-                self._release(st.pages)
-                self._internal_error(st.chunk.meta.rid, st.state, st.chunk.prompt_len,
-                                     f"cannot copy the chunk: {e!r}")
-            return
+            except Exception as e:
+                self._internal_error(rid, prompt_len, f"cannot allocate staging: {e!r}")
+                continue
+            staged.append(_Staged(chunk, header, nbytes, pages))
+        ready: list[Any] = []
+        if staged:
+            try:
+                ready = self._stage([t for _, t in tensors], staged)
+            except Exception as e:  # _stage waited for any copy it had started
+                for st in staged:
+                    self._release(st.pages)
+                    self._internal_error(st.chunk.meta.rid, st.chunk.prompt_len,
+                                         f"cannot copy the chunk: {e!r}")
+                staged, ready = [], []
         for st, done in zip(staged, ready, strict=True):
             meta = st.chunk.meta
-            final = protocol.rid_dir(self.dump_dir, meta.rid) / protocol.chunk_filename(
-                meta.prefix_len)
-            job = _FileJob(meta.rid, st.state, meta.prefix_len, final, protocol.temp_path(final),
-                           st.pages, st.nbytes, done)
-            with self._cond:
-                st.state.outstanding += 1
-                st.state.chunks.append(meta.prefix_len)
-                st.state.tokens += _rows_shape(tensors[0][1], st.chunk)[0]
-                if st.chunk.prompt_len is not None:
-                    st.state.prompt_len = st.chunk.prompt_len
-            self._tasks.put(job)
+            self._files.add(meta.rid, meta.prefix_len, _rows_shape(tensors[0][1], st.chunk)[0],
+                            st.chunk.prompt_len, st.pages, st.nbytes, done)
+        self._files.commit(ready[-1] if ready else None)
 
     def begin_request(self, rid: str) -> None:
-        """Start a new attempt of ``rid`` (its first chunk): forget an earlier attempt.
-
-        A failed attempt keeps its state, so that its late chunks are dropped; an aborted one
-        leaves chunk counts. A client that re-sends the rid after removing the old directory
-        must get a fresh marker, not the old failure (nor nothing at all).
-        """
-        with self._cond:
-            old = self._rids.pop(rid, None)
-            if old is not None:
-                old.superseded = True  # its chunks still in flight finish without a marker
+        """Start a new attempt of ``rid`` (its first chunk): forget an earlier attempt (see
+        :meth:`FileWriter.begin_request`)."""
+        self._files.begin_request(rid)
 
     def fail_request(self, rid: str, reason: str, prompt_len: int | None = None) -> None:
         """Mark a request as failed: an error marker replaces its done marker."""
-        self._fail(rid, self._rid_state(rid), reason, prompt_len)
+        self._files.fail(rid, reason, prompt_len)
+        self._files.commit(None)
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until nothing is in flight; return False on timeout."""
+        """Wait until nothing is in flight, markers included; return False on timeout."""
+        self._files.commit(None)
         deadline = None if timeout is None else time.monotonic() + timeout
+        poll = _POLL_S if self._region is not None else None
         with self._cond:
-            while self._used_pages:
+            while True:
+                self._reclaim()
+                if not self._used_pages and self._files.idle():
+                    return True
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
-                self._cond.wait(left)
-        return True
+                self._cond.wait(left if poll is None else min(poll, left or poll))
 
     def wait_for_copies(self) -> None:
         """Make the current stream wait for every copy enqueued so far (no host wait), so
@@ -290,51 +269,62 @@ class DumpWriter:
         return event
 
     @property
+    def stats(self) -> WriterStats:
+        """The counters: the file side's (in process mode as the writer process last
+        published them) and this side's."""
+        files = self._files.stats
+        for name in FileStats.__dataclass_fields__:
+            setattr(self._stats, name, getattr(files, name))
+        self._stats.writer_pid = self.writer_pid
+        self._stats.writer_process_deaths = self._files.deaths
+        self._stats.writer_error = self._files.dead
+        return self._stats
+
+    @property
     def thread_ids(self) -> list[int]:
-        """Kernel thread ids of the writer threads (for CPU accounting)."""
-        return [t.native_id for t in self._threads if t.native_id is not None]
+        """Kernel thread ids of this process's writer threads (for CPU accounting)."""
+        return self._files.thread_ids
+
+    @property
+    def writer_pid(self) -> int:
+        """The process that writes the files (this one in thread mode)."""
+        return self._files.proc.pid if isinstance(self._files, ProcessFiles) else os.getpid()
 
     def close(self) -> None:
-        """Flush, stop the threads and free the staging pages (later submits fail the request)."""
+        """Flush, stop the file side and free the staging (later submits fail the request)."""
         with self._cond:
             if self._closed:
                 return
             self._closed = True
         self.flush()
-        for _ in self._threads:
-            self._tasks.put(None)
-        for t in self._threads:
-            t.join()
+        self._files.close()
         if self._filler is not None:
             self._filler.join()
         with self._cond:
+            self._reclaim()
             self._pool_pages -= len(self._free)
             self._free.clear()
-            self.stats.staging_bytes = self._pool_pages * self.page_bytes
+            self._stats.staging_bytes = self._pool_pages * self.page_bytes
+        if self._region is not None:
+            for ptr in self._registered:
+                torch.cuda.cudart().cudaHostUnregister(ptr)
+            self._registered.clear()
+            os.close(self._region.fd)  # the memory goes with the last mapping
 
     @property
     def tracked_requests(self) -> int:
         """Requests the writer keeps state for: in flight, and failed ones (LRU-bounded)."""
-        with self._cond:
-            return len(self._rids)
+        return self._files.tracked_requests
 
     @property
     def inflight_bytes(self) -> int:
         """Staging bytes held by chunks not yet written (never above the cap but for one
-        chunk larger than the cap, which goes through alone)."""
+        chunk larger than the cap, which goes through alone in thread mode)."""
         with self._cond:
+            self._reclaim()
             return self._used_pages * self.page_bytes
 
     # ---------------------------------------------------------------- internals
-
-    def _rid_state(self, rid: str) -> _RidState:
-        with self._cond:
-            state = self._rids.get(rid)
-            if state is None:
-                state = self._rids[rid] = _RidState()
-                while len(self._rids) > _MAX_TRACKED_RIDS:  # aborted requests never finish
-                    self._rids.popitem(last=False)
-            return state
 
     def _fs_free(self) -> int | str:
         """Free bytes of the dump dir's filesystem, or why they cannot be read."""
@@ -360,21 +350,24 @@ class DumpWriter:
             )
         return None
 
+    def _internal_error(self, rid: str, prompt_len: int | None, reason: str) -> None:
+        logger.exception("hsdump: internal error on a chunk of %s", rid)
+        self._files.fail(rid, f"internal error: {reason}", prompt_len, internal=True)
+
     def _acquire(self, npages: int) -> list[_Page]:
+        if self._region is not None:
+            return self._acquire_shared(npages)
         with self._cond:
             if self._used_pages and self._used_pages + npages > self._cap_pages:
                 t0 = time.perf_counter()
                 # A chunk larger than the cap still goes through, alone.
                 while self._used_pages and self._used_pages + npages > self._cap_pages:
                     self._cond.wait()
-                self.stats.forward_wait_s += time.perf_counter() - t0
-            self._used_pages += npages
-            self.stats.peak_inflight_bytes = max(
-                self.stats.peak_inflight_bytes, self._used_pages * self.page_bytes)
-            pages = [self._free.pop() for _ in range(min(npages, len(self._free)))]
+                self._stats.forward_wait_s += time.perf_counter() - t0
+            pages = self._take(npages)
             missing = npages - len(pages)
             self._pool_pages += missing
-            self.stats.staging_bytes = self._pool_pages * self.page_bytes
+            self._stats.staging_bytes = self._pool_pages * self.page_bytes
         try:
             # Only while the pool grows (warm-up, or a chunk larger than the cap).
             pages += [self._new_page() for _ in range(missing)]
@@ -386,28 +379,94 @@ class DumpWriter:
             raise
         return pages
 
+    def _acquire_shared(self, npages: int) -> list[_Page]:
+        """Process mode: wait (polling) until the writer process has given back enough pages
+        of the fixed region (and, at start, until the filler has pinned them)."""
+        if npages > self._cap_pages:
+            raise ChunkTooLarge(
+                f"a chunk of {npages * self.page_bytes} bytes needs more staging than the "
+                f"in-flight cap of {self.max_inflight_bytes} bytes "
+                f"({protocol.ENV_MAX_INFLIGHT}): raise it above the largest chunk (chunked "
+                "prefill size x captured states x hidden size x dtype bytes)")
+        t0 = None
+        with self._cond:
+            while True:
+                self._reclaim()
+                if len(self._free) >= npages:
+                    break
+                t0 = t0 or time.perf_counter()
+                self._cond.wait(_POLL_S)
+            if t0 is not None:
+                self._stats.forward_wait_s += time.perf_counter() - t0
+            return self._take(npages)
+
+    def _take(self, npages: int) -> list[_Page]:
+        """Count ``npages`` as used and take what the pool has of them (lock held)."""
+        self._used_pages += npages
+        self._stats.peak_inflight_bytes = max(
+            self._stats.peak_inflight_bytes, self._used_pages * self.page_bytes)
+        return [self._free.pop() for _ in range(min(npages, len(self._free)))]
+
+    def _reclaim(self) -> None:
+        """Process mode: take back the pages the writer process has released (lock held)."""
+        if self._region is None:
+            return
+        state = self._region.state
+        back = np.flatnonzero(state == RELEASED)
+        if back.size:
+            state[back] = FREE
+            self._used_pages -= back.size
+            self._free.extend(self._shared_page(int(i)) for i in back)
+
+    def _shared_page(self, i: int) -> _Page:
+        assert self._region is not None
+        array = self._region.page(i)
+        return _Page(torch.from_numpy(array), array, i)
+
     def _fill_pool(self) -> None:
-        """Pin the pool up to the cap in the background: pinning is slow (cudaHostAlloc), and
-        the forward thread would otherwise pay for it whenever the pool grows."""
+        """Pin the pool up to the cap in the background: pinning is slow (cudaHostAlloc,
+        cudaHostRegister), and the forward thread would otherwise pay for it."""
         try:
             self._bind_thread()
             while True:
                 with self._cond:
                     if self._closed or self._pool_pages >= self._cap_pages:
                         return
+                    i = self._pool_pages
                     self._pool_pages += 1
                 try:
-                    page = self._new_page()
+                    page = self._new_page() if self._region is None else self._pin_shared(i)
                 except BaseException:
                     with self._cond:
                         self._pool_pages -= 1
                     raise
                 with self._cond:
                     self._free.append(page)
-                    self.stats.staging_bytes = self._pool_pages * self.page_bytes
+                    self._stats.staging_bytes = self._pool_pages * self.page_bytes
                     self._cond.notify_all()
         except Exception:
-            logger.exception("hsdump: could not pin the staging pool ahead; pinning on demand")
+            if self._region is None:
+                logger.exception("hsdump: could not pin the staging pool ahead; pinning on "
+                                 "demand")
+                return
+            # Unregistered pages still work (copies into them are synchronous, and slow).
+            logger.exception("hsdump: could not register the shared staging pages with CUDA; "
+                             "using them unpinned (slow copies)")
+            with self._cond:
+                first, self._pool_pages = self._pool_pages, self._cap_pages
+                self._free.extend(self._shared_page(i) for i in range(first, self._cap_pages))
+                self._stats.staging_bytes = self._pool_pages * self.page_bytes
+                self._cond.notify_all()
+
+    def _pin_shared(self, i: int) -> _Page:
+        """Register shared page ``i`` with CUDA, so copies into it are asynchronous DMA."""
+        page = self._shared_page(i)
+        ptr = page.array.ctypes.data
+        err = torch.cuda.cudart().cudaHostRegister(ptr, self.page_bytes, 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of a shared staging page failed: {err}")
+        self._registered.append(ptr)
+        return page
 
     def _bind_thread(self) -> None:
         """Bind the calling writer thread to the writer's device, before any CUDA call."""
@@ -418,7 +477,10 @@ class DumpWriter:
         t = torch.empty(self.page_bytes, dtype=torch.uint8, pin_memory=self._cuda)
         return _Page(t, t.numpy())
 
-    def _release(self, pages: list[_Page]) -> None:
+    def _release(self, pages: Sequence[_Page]) -> None:
+        if self._region is not None:  # process mode: staged here, never sent
+            self._region.state[[p.index for p in pages]] = RELEASED
+            return
         with self._cond:
             self._used_pages -= len(pages)
             for page in pages:
@@ -426,13 +488,14 @@ class DumpWriter:
                     self._pool_pages -= 1
                 else:
                     self._free.append(page)
-            self.stats.staging_bytes = self._pool_pages * self.page_bytes
+            self._stats.staging_bytes = self._pool_pages * self.page_bytes
             self._cond.notify_all()
 
     def _stage(self, tensors: list[torch.Tensor], staged: list[_Staged]
                ) -> list[torch.cuda.Event | None]:
         """Copy each staged chunk's header + its rows' raw bytes back to back into its pages;
-        return each chunk's copy-done event (None off CUDA)."""
+        return each chunk's copy-done event (None off CUDA; in process mode one event, after
+        the last chunk's copies, stands for all)."""
         flats = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
         row_bytes = [f.numel() // t.shape[0] if t.dim() and t.shape[0] else 0
                      for t, f in zip(tensors, flats, strict=True)]
@@ -450,9 +513,10 @@ class DumpWriter:
         assert self._side_stream is not None
         self._side_stream.wait_stream(torch.cuda.current_stream())
         events: list[torch.cuda.Event | None] = []
+        one = self._region is not None
         with torch.cuda.stream(self._side_stream):
             try:
-                for st in staged:
+                for k, st in enumerate(staged):
                     pos = len(st.header)
                     for flat, rb in zip(flats, row_bytes, strict=True):
                         lo, hi = _byte_range(st.chunk, rb, flat.numel())
@@ -460,12 +524,15 @@ class DumpWriter:
                             st.pages[i].tensor[off : off + n].copy_(
                                 flat[lo + src : lo + src + n], non_blocking=True)
                         pos += hi - lo
-                    events.append(copy_done_event(self._blocking_events))
-                    events[-1].record(self._side_stream)
+                    if not one or k == len(staged) - 1:
+                        events.append(copy_done_event(self._blocking_events))
+                        events[-1].record(self._side_stream)
             except BaseException:
                 # The caller puts the pages back in the pool: no copy may still land there.
                 self._side_stream.synchronize()
                 raise
+        if one:
+            events = events * len(staged)
         for f in flats:  # the caller may free them now: their memory waits for the copies
             if f.is_cuda:
                 f.record_stream(self._side_stream)
@@ -476,147 +543,6 @@ class DumpWriter:
         for i, off, lo, n in _spans(start, len(src), self.page_bytes):
             pages[i].array[off : off + n] = src[lo : lo + n]
         return start + len(src)
-
-    def _worker(self) -> None:
-        try:
-            self._bind_thread()
-        except Exception:  # its jobs then fail, with the CUDA error in their markers
-            logger.exception("hsdump: writer thread could not bind to cuda:%s", self.device_index)
-        while True:
-            job = self._tasks.get()
-            if job is None:
-                return
-            try:
-                failure = self._write_file(job)
-                self._finish_request(job, failure)
-            except Exception:  # a bug here must not stop the thread or leak the pages
-                with self._cond:
-                    self.stats.internal_errors += 1
-                logger.exception("hsdump: internal error after writing %s", job.final)
-            finally:
-                # Last, so that flush() returning means the markers are written too.
-                self._release(job.pages[job.released :])
-
-    def _write_file(self, job: _FileJob) -> str | None:
-        """Write one file, whole, from this thread; return None, or why it failed.
-
-        Writes to one file are serialized by the kernel (inode lock), so threads work on
-        different files rather than on parts of one. Written pages go back to the pool at once.
-        """
-        copied = False
-        try:
-            # Directory and file are made before the wait for the copy: a thread usually takes
-            # its job during the forward's hand-off, when the forward thread is far ahead of
-            # the device, while the copy ends early in the next forward, whose first layers are
-            # host-bound (each system call here is a GIL hand-over that can delay them).
-            if not job.state.dir_made:
-                self._make_dir(job.final.parent)
-                job.state.dir_made = True
-            fd = os.open(job.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, protocol.FILE_MODE)
-            try:
-                if job.ready is not None:
-                    job.ready.synchronize()
-                copied = True
-                for i in range(0, len(job.pages), _PAGES_PER_WRITE):
-                    group = job.pages[i : i + _PAGES_PER_WRITE]
-                    start = i * self.page_bytes
-                    n = min(len(group) * self.page_bytes, job.nbytes - start)
-                    _pwrite_all(fd, [memoryview(p.array) for p in group], start, n)
-                    done = min(i + len(group), len(job.pages) - 1)  # the last page is kept
-                    self._release(job.pages[job.released : done])  # until the marker
-                    job.released = done
-            finally:
-                os.close(fd)
-            os.replace(job.tmp, job.final)
-            return None
-        except Exception as e:  # OSError, or a CUDA error from the copy
-            if not copied and job.ready is not None:  # no copy may land in released pages
-                with contextlib.suppress(Exception):
-                    job.ready.synchronize()
-            with contextlib.suppress(OSError):
-                job.tmp.unlink(missing_ok=True)
-            return f"{type(e).__name__}: {e}"
-
-    def _make_dir(self, path: Path) -> None:
-        """``protocol.make_private_dir`` in one system call for a new directory (its mode is
-        then exact unless the umask takes owner bits, checked once at start)."""
-        if self._umask_owner_ok:
-            try:
-                os.mkdir(path, protocol.DIR_MODE)
-                return
-            except OSError:  # it exists (tighten its mode) or a parent is missing
-                pass
-        protocol.make_private_dir(path)
-
-    def _finish_request(self, job: _FileJob, failure: str | None) -> None:
-        ok = failure is None
-        state = job.state
-        with self._cond:
-            if ok:
-                self.stats.chunks_written += 1
-                self.stats.bytes_written += job.nbytes
-            else:
-                self.stats.chunks_failed += 1
-            state.outstanding -= 1
-            if not ok:
-                state.error = state.error or f"writing chunk {job.prefix_len} failed: {failure}"
-        if not ok:
-            logger.error("hsdump: writing %s failed: %s", job.final, failure)
-        self._maybe_finish(job.rid, state, job.final.parent)
-
-    def _internal_error(
-        self, rid: str, state: _RidState, prompt_len: int | None, reason: str
-    ) -> None:
-        with self._cond:
-            self.stats.internal_errors += 1
-        logger.exception("hsdump: internal error on a chunk of %s", rid)
-        self._fail(rid, state, f"internal error: {reason}", prompt_len)
-
-    def _fail(
-        self, rid: str, state: _RidState, reason: str | None, prompt_len: int | None
-    ) -> None:
-        """Record ``reason`` (None: keep the earlier one) and the prompt length, then finish."""
-        with self._cond:
-            first = state.error is None and reason is not None
-            state.error = state.error or reason
-            if prompt_len is not None:
-                state.prompt_len = prompt_len
-        if first:
-            logger.error("hsdump: request %s cannot be dumped: %s", rid, reason)
-        self._maybe_finish(rid, state)
-
-    def _maybe_finish(self, rid: str, state: _RidState, rid_dir: Path | None = None) -> None:
-        """Write the done or error marker once nothing of the request is outstanding
-        (``rid_dir``: the request's directory, when the caller knows it)."""
-        with self._cond:
-            if state.outstanding or state.marker_written or state.superseded:
-                return
-            complete = state.prompt_len is not None
-            if state.error is not None:
-                # The state stays (LRU-bounded), so that a late chunk of the rid is dropped.
-                state.marker_written = True
-                payload = protocol.ErrorMarker(rid, state.error, sorted(state.chunks)).to_json()
-                self.stats.requests_failed += 1
-                marker = protocol.ERROR_MARKER
-            elif complete:
-                state.marker_written = True
-                if self._rids.get(rid) is state:
-                    del self._rids[rid]
-                payload = protocol.DoneMarker(rid, state.prompt_len, state.tokens,
-                                              sorted(state.chunks)).to_json()
-                self.stats.requests_done += 1
-                marker = protocol.DONE_MARKER
-            else:
-                return
-        try:
-            d = protocol.rid_dir(self.dump_dir, rid) if rid_dir is None else rid_dir
-            if not state.dir_made:
-                protocol.make_private_dir(d)
-            protocol.write_json_atomic(d / marker, payload, fsync=False)  # a transient dir
-        except Exception:
-            with self._cond:
-                self.stats.internal_errors += 1
-            logger.exception("hsdump: could not write %s for %s", marker, rid)
 
 
 def copy_done_event(blocking: bool = True) -> torch.cuda.Event:
@@ -634,18 +560,6 @@ def bound_device_index(device: torch.device, current: Callable[[], int]) -> int 
     if device.type != "cuda":
         return None
     return current() if device.index is None else device.index
-
-
-def _umask_keeps_owner_bits() -> bool:
-    """Whether the process umask (read without changing it) leaves a new 0700 directory 0700."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8) & 0o700 == 0
-    except (OSError, ValueError, IndexError):
-        pass
-    return False
 
 
 def _page_bytes_for(max_inflight_bytes: int) -> int:
@@ -691,21 +605,3 @@ def _st_dtype(t: torch.Tensor) -> str:
         return protocol.SAFETENSORS_DTYPES[name]
     except KeyError:
         raise TypeError(f"dtype {t.dtype} is not supported in dump files") from None
-
-
-def _pwrite_all(fd: int, buffers: list[memoryview], offset: int, n: int) -> None:
-    """Write the first ``n`` bytes of ``buffers`` (back to back) at ``offset``."""
-    views, left = [], n
-    for b in buffers:
-        if left <= 0:
-            break
-        views.append(b[:left])
-        left -= len(views[-1])
-    while views:
-        written = os.pwritev(fd, views, offset)
-        offset += written
-        while views and written >= len(views[0]):
-            written -= len(views[0])
-            views.pop(0)
-        if views:
-            views[0] = views[0][written:]
