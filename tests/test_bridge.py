@@ -11,6 +11,7 @@ through its own ``post_fn`` seam, and every ref is read back with SpecForge's
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -278,10 +279,14 @@ def test_a_first_attempt_never_overwrites_existing_keys(
 def test_over_http_with_specforges_own_client(store, sink, dump_dir: Path,
                                               engine: DumpEngine) -> None:
     """The bridge's HTTP server and SpecForge's own HTTP post: the JSON on the wire builds the
-    same readable refs; a body that is no spec_capture request is refused naming why."""
+    same readable refs; a bad spec_capture body is refused naming why; any other request goes
+    to the SGLang server, and a server that does not answer is a 502 naming it."""
     import requests
 
-    server = make_server(Bridge(dump_dir, sink, engine), "127.0.0.1", 0)
+    from tests.harness.online import free_port
+
+    upstream = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    server = make_server(Bridge(dump_dir, sink, engine), "127.0.0.1", 0, upstream)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{server.server_address[1]}"
@@ -291,7 +296,9 @@ def test_over_http_with_specforges_own_client(store, sink, dump_dir: Path,
         for task, ref in zip(tasks, refs, strict=True):
             _assert_readable(store, engine, task, ref)
         r = requests.post(f"{url}/generate", json={"input_ids": [1, 2]}, timeout=30)
-        assert r.status_code == 404 and "spec_capture" in r.json()["error"]
+        assert r.status_code == 502 and upstream in r.json()["error"], r.text
+        r = requests.get(f"{url}/health", timeout=30)
+        assert r.status_code == 502 and "GET /health: " in r.json()["error"], r.text
         r = requests.post(f"{url}/generate", json={"input_ids": [[1, 2]], "spec_capture": [
             {"store_id": "s", "sample_id": "x", "gen": 1, "features": {"logits": "t"}}]},
             timeout=30)
@@ -365,7 +372,7 @@ REL_TOL = 2e-2
 def live(llama_server, sink) -> Iterator[tuple[str, Bridge]]:
     """The bridge's HTTP service in front of the shared Llama server; its URL and bridge."""
     bridge = Bridge(llama_server.dump_dir, sink, SGLangEngine(llama_server.url))
-    server = make_server(bridge, "127.0.0.1", 0)
+    server = make_server(bridge, "127.0.0.1", 0, llama_server.url)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield f"http://127.0.0.1:{server.server_address[1]}", bridge
@@ -466,6 +473,67 @@ def test_real_server_refusing_the_batch_fails_it_whole_and_leaves_nothing(
 def sink_has(bridge: Bridge, store, task) -> bool:
     """Whether the bridge's store holds the task's target key."""
     return bridge.sink.store.is_exist(f"{store.store_id}/run:{task.task_id}/g1/target") == 1
+
+
+# Values that differ between two calls of the same request (clocks, request ids, live load).
+VOLATILE = {"created", "id", "e2e_latency", "internal_states", "response_sent_to_client_ts",
+            "queue_time", "prefill_launch_delay", "prefill_launch_latency", "inference_time",
+            "prefill_finished_ts", "decode_throughput", "request_received_ts",
+            "forward_entry_time", "tokenizer_entry_time"}
+
+
+def _stable(value: Any) -> Any:
+    """``value`` without the VOLATILE keys, at any depth."""
+    if isinstance(value, dict):
+        return {k: _stable(v) for k, v in value.items() if k not in VOLATILE}
+    if isinstance(value, list):
+        return [_stable(v) for v in value]
+    return value
+
+
+@pytest.mark.server
+def test_real_server_everything_else_passes_through_unchanged(live, llama_server) -> None:
+    """What a producer or an operator calls besides a spec_capture /generate reaches the
+    server unchanged: the same status and body as calling the server directly (minus clocks
+    and request ids), for GETs, POSTs, a plain and a streamed /generate, a 404 and a 400;
+    nothing is dumped for them."""
+    import requests
+
+    url, _ = live
+    before = sorted(p.name for p in llama_server.dump_dir.iterdir())
+    gen = {"input_ids": [3, 17, 29, 41, 5], "sampling_params": {"temperature": 0,
+                                                                  "max_new_tokens": 6}}
+    calls = [("GET", "/health", None), ("GET", "/health_generate", None),
+             ("GET", "/get_model_info", None), ("GET", "/model_info", None),
+             ("GET", "/server_info", None), ("GET", "/get_server_info", None),
+             ("GET", "/v1/models", None), ("POST", "/flush_cache", None),
+             ("POST", "/generate", gen), ("POST", "/generate", {**gen, "input_ids": [gen[
+                 "input_ids"], [7, 8, 9]]}),
+             ("GET", "/no_such_path", None), ("POST", "/generate", {"sampling_params": {}})]
+    for method, path, body in calls:
+        via = requests.request(method, url + path, json=body, timeout=120)
+        direct = requests.request(method, llama_server.url + path, json=body, timeout=120)
+        assert via.status_code == direct.status_code, (path, via.status_code, via.text[:300])
+        assert via.headers.get("content-type") == direct.headers.get("content-type"), path
+        try:
+            got, want = via.json(), direct.json()
+        except ValueError:
+            assert via.content == direct.content, path
+            continue
+        assert _stable(got) == _stable(want), (path, got, want)
+    assert requests.get(url + "/generate", timeout=30).status_code == 405  # the server's
+    # A streamed /generate: server-sent events, forwarded as they come; the same text.
+    lines = []
+    with requests.post(url + "/generate", json={**gen, "stream": True}, stream=True,
+                       timeout=120) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith(
+            "text/event-stream"), r.headers
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert lines[-1] == b"data: [DONE]" and len(lines) > 2, lines
+    streamed = json.loads(lines[-2].removeprefix(b"data: "))
+    direct = requests.post(llama_server.url + "/generate", json=gen, timeout=120).json()
+    assert streamed["output_ids"] == direct["output_ids"], (streamed, direct)
+    assert sorted(p.name for p in llama_server.dump_dir.iterdir()) == before
 
 
 @pytest.mark.server
