@@ -587,3 +587,112 @@ def test_hsdump_bridge_refuses_a_dead_server_or_a_foreign_dump_dir(
     assert "--dump-dir" in err and "server.json" in err, err
     assert cli(["bridge", "--segment-size", "lots", *common]) == 2
     assert "--segment-size='lots' is not a size" in capsys.readouterr().err
+
+
+# --- ``hsdump serve --bridge``: the server, then the bridge beside it (a server of its own).
+
+
+def _serve_with_bridge(tiny_models: Path, tmp_path: Path, mooncake: dict[str, str],
+                       *bridge_args: str) -> tuple[subprocess.Popen, Path, int, int]:
+    """Start ``hsdump serve --bridge`` for the tiny Llama on CPU (output in ``serve.log``);
+    the process, its log, the server's and the bridge's ports."""
+    from hsdump_patch.ops.launch import CPU_ARGS, free_port
+    from tests.harness.server import cpu_env
+
+    repo = Path(__file__).resolve().parents[1]
+    port, bport = free_port(), free_port()
+    env = cpu_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(repo), env["PYTHONPATH"]])
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "hsdump_patch.cli", "serve", "--model",
+             str(tiny_models / "tiny-llama"), "--port", str(port), "--dump-dir",
+             str(tmp_path / "dump"), "--profile", "none", "--bridge", "--bridge-port",
+             str(bport), "--mooncake-master", mooncake["master"], "--mooncake-metadata",
+             mooncake["metadata"], "--bridge-arg=--segment-size=32MiB",
+             "--bridge-arg=--local-buffer-size=8MiB", *bridge_args, "--", *CPU_ARGS],
+            cwd=repo, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, log, port, bport
+
+
+def _listens(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.mark.server
+def test_hsdump_serve_bridge_starts_it_once_the_server_is_ready_and_stops_both(
+        store, mooncake, tiny_models, tmp_path) -> None:
+    """``hsdump serve --bridge``: the bridge starts only after the server answers /ready, serves
+    SpecForge's produce_refs (refs equal HF float32) and passes the rest through; SIGTERM stops
+    both (exit 0, neither port listens)."""
+    import requests
+
+    proc, log, port, bport = _serve_with_bridge(tiny_models, tmp_path, mooncake)
+    try:
+        deadline = time.monotonic() + 600
+        while "hsdump bridge: serving on" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(1)
+        text = log.read_text()
+        assert text.index("the server is ready: starting the bridge") < text.index(
+            "hsdump bridge: serving on"), text[-3000:]
+        url = f"http://127.0.0.1:{bport}"
+        assert requests.get(f"{url}/ready", timeout=30).status_code == 200
+        info = protocol.read_server_info(tmp_path / "dump")
+        capture = sf_capture(layers=tuple(lay - 1 for lay in sorted(info.layers)),
+                             hidden=info.hidden_size)
+        tasks = sf_tasks([19, 44], first=500)
+        refs = sf_adapter(store, None, url=url).produce_refs(tasks, capture=capture)
+        assert_equals_hf_fp32(store, tiny_models / "tiny-llama", info, tasks, refs)
+    finally:
+        proc.terminate()
+        rc = proc.wait(timeout=120)
+    assert rc == 0, log.read_text()[-3000:]
+    assert "stopped: 1 requests, 2 samples published, 0 failed" in log.read_text()
+    assert not _listens(port) and not _listens(bport)
+
+
+@pytest.mark.server
+def test_hsdump_serve_bridge_failure_stops_the_server_and_shows_the_bridges_log(
+        mooncake, tiny_models, tmp_path) -> None:
+    """A bridge that cannot start (here: a dump dir without the server's server.json) ends
+    ``hsdump serve`` with exit 1, the bridge's own message repeated, and the server stopped."""
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    proc, log, port, bport = _serve_with_bridge(tiny_models, tmp_path, mooncake,
+                                                f"--bridge-arg=--dump-dir={foreign}")
+    try:
+        rc = proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert rc == 1, text[-3000:]
+    assert "the bridge exited with 2: stopping the server; its last lines:" in text, text[-3000:]
+    tail = text.split("its last lines:")[1]
+    assert "no usable server.json in --dump-dir" in tail, tail
+    assert not _listens(port) and not _listens(bport)
+
+
+def test_hsdump_serve_bridge_refuses_bad_bridge_arguments_before_starting(tmp_path,
+                                                                         capsys) -> None:
+    """``--bridge`` without the Mooncake endpoints, or with a --bridge-arg hsdump bridge does
+    not take, is refused (exit 2, naming it) before any server starts; --dry-run prints both
+    commands."""
+    from hsdump_patch.cli import main as cli
+
+    base = ["serve", "--model", str(tmp_path), "--profile", "none", "--dry-run", "--bridge"]
+    endpoints = ["--mooncake-master", "h:1", "--mooncake-metadata", "http://h:2/metadata"]
+    assert cli(base) == 2
+    assert "--bridge needs --mooncake-master and --mooncake-metadata" in capsys.readouterr().err
+    assert cli([*base, *endpoints, "--bridge-arg=--no-such"]) == 2
+    err = capsys.readouterr().err
+    assert "hsdump bridge rejects the --bridge-arg arguments" in err and "--no-such" in err, err
+    assert cli([*base, *endpoints, "--host", "0.0.0.0", "--port", "31000"]) == 0
+    err = capsys.readouterr().err
+    assert ("once ready, beside it: " in err and "bridge --server http://127.0.0.1:31000 "
+            "--dump-dir /dev/shm/sglang_hs --host 127.0.0.1 --port 30100" in err), err
