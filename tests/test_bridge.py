@@ -36,7 +36,7 @@ from hsdump_patch.client.bridge import (
     server_layers_for,
 )
 from tests.conftest import require, specforge_on_path
-from tests.harness.online import local_mooncake, sf_adapter, sf_capture
+from tests.harness.online import image_with_rdma_libs, local_mooncake, sf_adapter, sf_capture
 
 HIDDEN = 16
 SPECFORGE_LAYERS = (1, 3, 5)  # SpecForge's aux_hidden_state_layer_ids
@@ -696,3 +696,50 @@ def test_hsdump_serve_bridge_refuses_bad_bridge_arguments_before_starting(tmp_pa
     err = capsys.readouterr().err
     assert ("once ready, beside it: " in err and "bridge --server http://127.0.0.1:31000 "
             "--dump-dir /dev/shm/sglang_hs --host 127.0.0.1 --port 30100" in err), err
+
+
+# --- The image: the entry point takes --bridge from its environment; Mooncake's libraries.
+
+PUT_GET = """
+import pathlib, sys, tempfile, torch
+sys.path.insert(0, "/src")
+from tests.harness.online import local_mooncake
+from hsdump_patch.client.bridge import MooncakeSink, TaskCapture
+with local_mooncake(pathlib.Path(tempfile.mkdtemp())) as ep:
+    sink = MooncakeSink.connect(master=ep["master"], metadata=ep["metadata"],
+                                local_hostname="127.0.0.1", global_segment_size=16 << 20,
+                                local_buffer_size=8 << 20)
+    t = torch.arange(4096, dtype=torch.float32)
+    sink.publish(TaskCapture("s", "x", 1, False, {}, ()), {"t": t})
+    assert sink.store.get("s/x/g1/t") == t.numpy().tobytes()
+    sink.store.close()
+print("mooncake put/get ok")
+"""
+
+
+def test_the_image_runs_the_bridge_beside_the_server_with_debians_rdma_libraries(
+        docker_engine, hsdump_image) -> None:
+    """The image's entry point (hsdump serve) plans the bridge from its environment
+    (HSDUMP_BRIDGE=1 and the Mooncake endpoints). Mooncake's wheel, which the official base
+    image ships, links Debian's libibverbs1, librdmacm1 and libnuma1 (the official base has them,
+    the CPU stand-in does not): with them added, its master, HTTP metadata server and the
+    bridge's own put read back, inside the image, over TCP."""
+    r = docker_engine.run(
+        "run", "--rm", "--network", "none", "-e", "HSDUMP_BRIDGE=1", "-e",
+        "HSDUMP_MOONCAKE_MASTER=mc:50051", "-e", "HSDUMP_MOONCAKE_METADATA=http://mc:8080/metadata",
+        "-e", "HSDUMP_BRIDGE_ARGS=--segment-size 64GiB", hsdump_image, "--model", "/tmp",
+        "--profile", "none", "--dry-run")
+    assert ("once ready, beside it: python3 -m hsdump_patch.cli bridge --server "
+            "http://127.0.0.1:30000 --dump-dir /dev/shm/sglang_hs --host 127.0.0.1 --port 30100 "
+            "--mooncake-master mc:50051 --mooncake-metadata http://mc:8080/metadata "
+            "--segment-size 64GiB") in r.stderr.replace("/usr/bin/python3", "python3"), r.stderr
+    tag = image_with_rdma_libs(docker_engine, hsdump_image)
+    try:
+        repo = Path(__file__).resolve().parents[1]
+        # Mooncake's transfer engine needs a LAN address besides loopback: the host's network.
+        r = docker_engine.run("run", "--rm", "--network", "host", "-v",
+                              f"{repo}/tests:/src/tests:ro", "--entrypoint", "python3", tag,
+                              "-c", PUT_GET, check=False)
+        assert r.returncode == 0 and "mooncake put/get ok" in r.stdout, r.stdout + r.stderr
+    finally:
+        docker_engine.run("rmi", tag, check=False)
