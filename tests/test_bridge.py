@@ -743,3 +743,27 @@ def test_the_image_runs_the_bridge_beside_the_server_with_debians_rdma_libraries
         assert r.returncode == 0 and "mooncake put/get ok" in r.stdout, r.stdout + r.stderr
     finally:
         docker_engine.run("rmi", tag, check=False)
+
+
+def test_the_documented_kimi_config_loads_with_specforges_schema(tmp_path: Path) -> None:
+    """docs/online.md's `specforge train` config for Kimi-K2.5 loads with SpecForge 0.2.0's own
+    load_config: disaggregated over Mooncake, its producers at the bridges, the aux layer ids
+    of the servers' dump layers (hsdump layer l = SpecForge id l - 1), bf16."""
+    import yaml
+
+    specforge_on_path()
+    from specforge.config.schema import load_config
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "online.md").read_text()
+    block = doc.split("<!-- kimi-online-config -->\n```yaml\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "kimi.yaml").write_text(block)
+    cfg = load_config(str(tmp_path / "kimi.yaml"), [])
+    d = cfg.deployment.disaggregated
+    assert cfg.deployment.mode == "disaggregated" and d.backend == "mooncake"
+    assert all(u.endswith(":30100") for u in d.server_urls), d.server_urls  # the bridge's port
+    ids = cfg.model.aux_hidden_state_layer_ids
+    assert ids == [1, 29, 57] and server_layers_for(ids) == [2, 30, 58]
+    assert "SGLANG_HS_DUMP_LAYERS 2,30,58" in block
+    assert cfg.model.torch_dtype == "bfloat16" and cfg.model.vocab_mapping_path
+    assert yaml.safe_load(block)["runtime"]["in_flight_high_watermark"] == 256
+
