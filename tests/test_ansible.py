@@ -1302,6 +1302,74 @@ def test_multi_node_ib_containers_and_the_nccl_transport_check(ansible, docker_e
     finally:
         for name in names.values():
             _docker("rm", "-f", name, f"{name}-allreduce", check=False)
+
+
+def test_deploy_runs_the_bridge_beside_the_server_on_localhost(ansible, docker_engine,
+                                                               hsdump_image, tiny_models,
+                                                               tmp_path):
+    """hsdump_server_bridge: the server container runs `hsdump serve --bridge` with the Mooncake
+    endpoints given, the bridge bound to 127.0.0.1 only; SpecForge's own producer gets refs
+    through it that its own store reads; check mode and a second run change nothing.
+    (The image gets Debian's RDMA libraries Mooncake links, as the official base has them.)"""
+    from tests.conftest import specforge_on_path
+    from tests.harness.online import image_with_rdma_libs, local_mooncake, sf_adapter, sf_capture
+
+    specforge_on_path()
+    image = image_with_rdma_libs(docker_engine, hsdump_image)
+    bport = free_port()
+    v = {}
+    try:
+        with local_mooncake(tmp_path) as ep:
+            v = {**server_vars(image, tiny_models, tmp_path), "hsdump_server_allreduce": False,
+                 "hsdump_server_bridge": True,
+                 "hsdump_server_bridge_mooncake_master": ep["master"],
+                 "hsdump_server_bridge_mooncake_metadata": ep["metadata"],
+                 "hsdump_server_bridge_port": bport, "hsdump_server_bridge_segment_size": "32MiB",
+                 "hsdump_server_bridge_extra_args": ["--local-buffer-size=8MiB"]}
+            first = ansible.playbook("deploy.yml", ONE_HOST, tags="server", extra=v)
+            first.assert_ok("deploy.yml with the bridge")
+            assert "Server | wait until the bridge answers" in first.output
+            check = ansible.playbook("deploy.yml", ONE_HOST, tags="server", extra=v, check=True)
+            check.assert_ok("deploy.yml --check with the bridge")
+            second = ansible.playbook("deploy.yml", ONE_HOST, tags="server", extra=v)
+            second.assert_ok("deploy.yml with the bridge, second run")
+            for run in (check, second):
+                assert run.recap()["cpu-host"]["changed"] == 0, run.output[-4000:]
+            args = json.loads(_docker("inspect", v["hsdump_container_name"]))[0]["Args"]
+            assert args[args.index("--mooncake-master") + 1] == ep["master"], args
+            listening = subprocess.run(["ss", "-ltnH", f"sport = :{bport}"], check=True,
+                                       capture_output=True, text=True).stdout.splitlines()
+            assert {ln.split()[3] for ln in listening if ln.strip()} == {f"127.0.0.1:{bport}"}
+            from specforge.runtime.data_plane.mooncake_store import MooncakeFeatureStore
+
+            store = MooncakeFeatureStore(store_id=f"a{uuid.uuid4().hex[:6]}", setup_kwargs={
+                "local_hostname": "127.0.0.1", "metadata_server": ep["metadata"],
+                "master_server_addr": ep["master"], "global_segment_size": 0,
+                "local_buffer_size": 16 << 20})
+            info = requests.get(f"http://127.0.0.1:{bport}/get_model_info", timeout=30).json()
+            assert info["model_path"] == "/model", info  # passed through to the server
+            dump = json.loads((Path(v["hsdump_dump_dir"]) / "server.json").read_text())
+            hidden, layers = dump["hidden_size"], sorted(dump["layers"])
+            from specforge.runtime.contracts import PromptTask
+
+            tasks = [PromptTask(task_id=f"t{n}", run_id="run", source_id=f"s{n}",
+                                payload={"input_ids": list(range(3, 3 + length)),
+                                         "loss_mask": [1] * length}, max_length=4096)
+                     for n, length in enumerate((11, 40))]
+            refs = sf_adapter(store, None, url=f"http://127.0.0.1:{bport}").produce_refs(
+                tasks, capture=sf_capture(tuple(lay - 1 for lay in layers), hidden))
+            for task, ref in zip(tasks, refs, strict=True):
+                got, handle = store.get(ref)
+                n = len(task.payload["input_ids"])
+                assert got["hidden_state"].shape == (1, n, len(layers) * hidden)
+                assert got["target"].shape == (1, n, hidden)
+                assert torch.isfinite(got["hidden_state"].float()).all()
+                assert got["input_ids"].tolist() == [task.payload["input_ids"]]
+                store.release(handle)
+    finally:
+        if v:
+            _docker("rm", "-f", v["hsdump_container_name"], check=False)
+            shutil.rmtree(v["hsdump_dump_dir"], ignore_errors=True)
         _docker("rmi", image, check=False)
 
 

@@ -11,6 +11,7 @@ through its own ``post_fn`` seam, and every ref is read back with SpecForge's
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -35,7 +36,7 @@ from hsdump_patch.client.bridge import (
     server_layers_for,
 )
 from tests.conftest import require, specforge_on_path
-from tests.harness.online import local_mooncake, sf_adapter, sf_capture
+from tests.harness.online import image_with_rdma_libs, local_mooncake, sf_adapter, sf_capture
 
 HIDDEN = 16
 SPECFORGE_LAYERS = (1, 3, 5)  # SpecForge's aux_hidden_state_layer_ids
@@ -278,10 +279,14 @@ def test_a_first_attempt_never_overwrites_existing_keys(
 def test_over_http_with_specforges_own_client(store, sink, dump_dir: Path,
                                               engine: DumpEngine) -> None:
     """The bridge's HTTP server and SpecForge's own HTTP post: the JSON on the wire builds the
-    same readable refs; a body that is no spec_capture request is refused naming why."""
+    same readable refs; a bad spec_capture body is refused naming why; any other request goes
+    to the SGLang server, and a server that does not answer is a 502 naming it."""
     import requests
 
-    server = make_server(Bridge(dump_dir, sink, engine), "127.0.0.1", 0)
+    from tests.harness.online import free_port
+
+    upstream = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    server = make_server(Bridge(dump_dir, sink, engine), "127.0.0.1", 0, upstream)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{server.server_address[1]}"
@@ -291,7 +296,9 @@ def test_over_http_with_specforges_own_client(store, sink, dump_dir: Path,
         for task, ref in zip(tasks, refs, strict=True):
             _assert_readable(store, engine, task, ref)
         r = requests.post(f"{url}/generate", json={"input_ids": [1, 2]}, timeout=30)
-        assert r.status_code == 404 and "spec_capture" in r.json()["error"]
+        assert r.status_code == 502 and upstream in r.json()["error"], r.text
+        r = requests.get(f"{url}/health", timeout=30)
+        assert r.status_code == 502 and "GET /health: " in r.json()["error"], r.text
         r = requests.post(f"{url}/generate", json={"input_ids": [[1, 2]], "spec_capture": [
             {"store_id": "s", "sample_id": "x", "gen": 1, "features": {"logits": "t"}}]},
             timeout=30)
@@ -365,7 +372,7 @@ REL_TOL = 2e-2
 def live(llama_server, sink) -> Iterator[tuple[str, Bridge]]:
     """The bridge's HTTP service in front of the shared Llama server; its URL and bridge."""
     bridge = Bridge(llama_server.dump_dir, sink, SGLangEngine(llama_server.url))
-    server = make_server(bridge, "127.0.0.1", 0)
+    server = make_server(bridge, "127.0.0.1", 0, llama_server.url)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield f"http://127.0.0.1:{server.server_address[1]}", bridge
@@ -468,6 +475,67 @@ def sink_has(bridge: Bridge, store, task) -> bool:
     return bridge.sink.store.is_exist(f"{store.store_id}/run:{task.task_id}/g1/target") == 1
 
 
+# Values that differ between two calls of the same request (clocks, request ids, live load).
+VOLATILE = {"created", "id", "e2e_latency", "internal_states", "response_sent_to_client_ts",
+            "queue_time", "prefill_launch_delay", "prefill_launch_latency", "inference_time",
+            "prefill_finished_ts", "decode_throughput", "request_received_ts",
+            "forward_entry_time", "tokenizer_entry_time"}
+
+
+def _stable(value: Any) -> Any:
+    """``value`` without the VOLATILE keys, at any depth."""
+    if isinstance(value, dict):
+        return {k: _stable(v) for k, v in value.items() if k not in VOLATILE}
+    if isinstance(value, list):
+        return [_stable(v) for v in value]
+    return value
+
+
+@pytest.mark.server
+def test_real_server_everything_else_passes_through_unchanged(live, llama_server) -> None:
+    """What a producer or an operator calls besides a spec_capture /generate reaches the
+    server unchanged: the same status and body as calling the server directly (minus clocks
+    and request ids), for GETs, POSTs, a plain and a streamed /generate, a 404 and a 400;
+    nothing is dumped for them."""
+    import requests
+
+    url, _ = live
+    before = sorted(p.name for p in llama_server.dump_dir.iterdir())
+    gen = {"input_ids": [3, 17, 29, 41, 5], "sampling_params": {"temperature": 0,
+                                                                  "max_new_tokens": 6}}
+    calls = [("GET", "/health", None), ("GET", "/health_generate", None),
+             ("GET", "/get_model_info", None), ("GET", "/model_info", None),
+             ("GET", "/server_info", None), ("GET", "/get_server_info", None),
+             ("GET", "/v1/models", None), ("POST", "/flush_cache", None),
+             ("POST", "/generate", gen), ("POST", "/generate", {**gen, "input_ids": [gen[
+                 "input_ids"], [7, 8, 9]]}),
+             ("GET", "/no_such_path", None), ("POST", "/generate", {"sampling_params": {}})]
+    for method, path, body in calls:
+        via = requests.request(method, url + path, json=body, timeout=120)
+        direct = requests.request(method, llama_server.url + path, json=body, timeout=120)
+        assert via.status_code == direct.status_code, (path, via.status_code, via.text[:300])
+        assert via.headers.get("content-type") == direct.headers.get("content-type"), path
+        try:
+            got, want = via.json(), direct.json()
+        except ValueError:
+            assert via.content == direct.content, path
+            continue
+        assert _stable(got) == _stable(want), (path, got, want)
+    assert requests.get(url + "/generate", timeout=30).status_code == 405  # the server's
+    # A streamed /generate: server-sent events, forwarded as they come; the same text.
+    lines = []
+    with requests.post(url + "/generate", json={**gen, "stream": True}, stream=True,
+                       timeout=120) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith(
+            "text/event-stream"), r.headers
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert lines[-1] == b"data: [DONE]" and len(lines) > 2, lines
+    streamed = json.loads(lines[-2].removeprefix(b"data: "))
+    direct = requests.post(llama_server.url + "/generate", json=gen, timeout=120).json()
+    assert streamed["output_ids"] == direct["output_ids"], (streamed, direct)
+    assert sorted(p.name for p in llama_server.dump_dir.iterdir()) == before
+
+
 @pytest.mark.server
 def test_hsdump_bridge_command_serves_specforge_and_stops_with_a_summary(
         store, mooncake, llama_server, tmp_path) -> None:
@@ -519,3 +587,183 @@ def test_hsdump_bridge_refuses_a_dead_server_or_a_foreign_dump_dir(
     assert "--dump-dir" in err and "server.json" in err, err
     assert cli(["bridge", "--segment-size", "lots", *common]) == 2
     assert "--segment-size='lots' is not a size" in capsys.readouterr().err
+
+
+# --- ``hsdump serve --bridge``: the server, then the bridge beside it (a server of its own).
+
+
+def _serve_with_bridge(tiny_models: Path, tmp_path: Path, mooncake: dict[str, str],
+                       *bridge_args: str) -> tuple[subprocess.Popen, Path, int, int]:
+    """Start ``hsdump serve --bridge`` for the tiny Llama on CPU (output in ``serve.log``);
+    the process, its log, the server's and the bridge's ports."""
+    from hsdump_patch.ops.launch import CPU_ARGS, free_port
+    from tests.harness.server import cpu_env
+
+    repo = Path(__file__).resolve().parents[1]
+    port, bport = free_port(), free_port()
+    env = cpu_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(repo), env["PYTHONPATH"]])
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "hsdump_patch.cli", "serve", "--model",
+             str(tiny_models / "tiny-llama"), "--port", str(port), "--dump-dir",
+             str(tmp_path / "dump"), "--profile", "none", "--bridge", "--bridge-port",
+             str(bport), "--mooncake-master", mooncake["master"], "--mooncake-metadata",
+             mooncake["metadata"], "--bridge-arg=--segment-size=32MiB",
+             "--bridge-arg=--local-buffer-size=8MiB", *bridge_args, "--", *CPU_ARGS],
+            cwd=repo, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, log, port, bport
+
+
+def _listens(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.mark.server
+def test_hsdump_serve_bridge_starts_it_once_the_server_is_ready_and_stops_both(
+        store, mooncake, tiny_models, tmp_path) -> None:
+    """``hsdump serve --bridge``: the bridge starts only after the server answers /ready, serves
+    SpecForge's produce_refs (refs equal HF float32) and passes the rest through; SIGTERM stops
+    both (exit 0, neither port listens)."""
+    import requests
+
+    proc, log, port, bport = _serve_with_bridge(tiny_models, tmp_path, mooncake)
+    try:
+        deadline = time.monotonic() + 600
+        while "hsdump bridge: serving on" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(1)
+        text = log.read_text()
+        assert text.index("the server is ready: starting the bridge") < text.index(
+            "hsdump bridge: serving on"), text[-3000:]
+        url = f"http://127.0.0.1:{bport}"
+        assert requests.get(f"{url}/ready", timeout=30).status_code == 200
+        info = protocol.read_server_info(tmp_path / "dump")
+        capture = sf_capture(layers=tuple(lay - 1 for lay in sorted(info.layers)),
+                             hidden=info.hidden_size)
+        tasks = sf_tasks([19, 44], first=500)
+        refs = sf_adapter(store, None, url=url).produce_refs(tasks, capture=capture)
+        assert_equals_hf_fp32(store, tiny_models / "tiny-llama", info, tasks, refs)
+    finally:
+        proc.terminate()
+        rc = proc.wait(timeout=120)
+    assert rc == 0, log.read_text()[-3000:]
+    assert "stopped: 1 requests, 2 samples published, 0 failed" in log.read_text()
+    assert not _listens(port) and not _listens(bport)
+
+
+@pytest.mark.server
+def test_hsdump_serve_bridge_failure_stops_the_server_and_shows_the_bridges_log(
+        mooncake, tiny_models, tmp_path) -> None:
+    """A bridge that cannot start (here: a dump dir without the server's server.json) ends
+    ``hsdump serve`` with exit 1, the bridge's own message repeated, and the server stopped."""
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    proc, log, port, bport = _serve_with_bridge(tiny_models, tmp_path, mooncake,
+                                                f"--bridge-arg=--dump-dir={foreign}")
+    try:
+        rc = proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert rc == 1, text[-3000:]
+    assert "the bridge exited with 2: stopping the server; its last lines:" in text, text[-3000:]
+    tail = text.split("its last lines:")[1]
+    assert "no usable server.json in --dump-dir" in tail, tail
+    assert not _listens(port) and not _listens(bport)
+
+
+def test_hsdump_serve_bridge_refuses_bad_bridge_arguments_before_starting(tmp_path,
+                                                                         capsys) -> None:
+    """``--bridge`` without the Mooncake endpoints, or with a --bridge-arg hsdump bridge does
+    not take, is refused (exit 2, naming it) before any server starts; --dry-run prints both
+    commands."""
+    from hsdump_patch.cli import main as cli
+
+    base = ["serve", "--model", str(tmp_path), "--profile", "none", "--dry-run", "--bridge"]
+    endpoints = ["--mooncake-master", "h:1", "--mooncake-metadata", "http://h:2/metadata"]
+    assert cli(base) == 2
+    assert "--bridge needs --mooncake-master and --mooncake-metadata" in capsys.readouterr().err
+    assert cli([*base, *endpoints, "--bridge-arg=--no-such"]) == 2
+    err = capsys.readouterr().err
+    assert "hsdump bridge rejects the --bridge-arg arguments" in err and "--no-such" in err, err
+    assert cli([*base, *endpoints, "--host", "0.0.0.0", "--port", "31000"]) == 0
+    err = capsys.readouterr().err
+    assert ("once ready, beside it: " in err and "bridge --server http://127.0.0.1:31000 "
+            "--dump-dir /dev/shm/sglang_hs --host 127.0.0.1 --port 30100" in err), err
+
+
+# --- The image: the entry point takes --bridge from its environment; Mooncake's libraries.
+
+PUT_GET = """
+import pathlib, sys, tempfile, torch
+sys.path.insert(0, "/src")
+from tests.harness.online import local_mooncake
+from hsdump_patch.client.bridge import MooncakeSink, TaskCapture
+with local_mooncake(pathlib.Path(tempfile.mkdtemp())) as ep:
+    sink = MooncakeSink.connect(master=ep["master"], metadata=ep["metadata"],
+                                local_hostname="127.0.0.1", global_segment_size=16 << 20,
+                                local_buffer_size=8 << 20)
+    t = torch.arange(4096, dtype=torch.float32)
+    sink.publish(TaskCapture("s", "x", 1, False, {}, ()), {"t": t})
+    assert sink.store.get("s/x/g1/t") == t.numpy().tobytes()
+    sink.store.close()
+print("mooncake put/get ok")
+"""
+
+
+def test_the_image_runs_the_bridge_beside_the_server_with_debians_rdma_libraries(
+        docker_engine, hsdump_image) -> None:
+    """The image's entry point (hsdump serve) plans the bridge from its environment
+    (HSDUMP_BRIDGE=1 and the Mooncake endpoints). Mooncake's wheel, which the official base
+    image ships, links Debian's libibverbs1, librdmacm1 and libnuma1 (the official base has them,
+    the CPU stand-in does not): with them added, its master, HTTP metadata server and the
+    bridge's own put read back, inside the image, over TCP."""
+    r = docker_engine.run(
+        "run", "--rm", "--network", "none", "-e", "HSDUMP_BRIDGE=1", "-e",
+        "HSDUMP_MOONCAKE_MASTER=mc:50051", "-e", "HSDUMP_MOONCAKE_METADATA=http://mc:8080/metadata",
+        "-e", "HSDUMP_BRIDGE_ARGS=--segment-size 64GiB", hsdump_image, "--model", "/tmp",
+        "--profile", "none", "--dry-run")
+    assert ("once ready, beside it: python3 -m hsdump_patch.cli bridge --server "
+            "http://127.0.0.1:30000 --dump-dir /dev/shm/sglang_hs --host 127.0.0.1 --port 30100 "
+            "--mooncake-master mc:50051 --mooncake-metadata http://mc:8080/metadata "
+            "--segment-size 64GiB") in r.stderr.replace("/usr/bin/python3", "python3"), r.stderr
+    tag = image_with_rdma_libs(docker_engine, hsdump_image)
+    try:
+        repo = Path(__file__).resolve().parents[1]
+        # Mooncake's transfer engine needs a LAN address besides loopback: the host's network.
+        r = docker_engine.run("run", "--rm", "--network", "host", "-v",
+                              f"{repo}/tests:/src/tests:ro", "--entrypoint", "python3", tag,
+                              "-c", PUT_GET, check=False)
+        assert r.returncode == 0 and "mooncake put/get ok" in r.stdout, r.stdout + r.stderr
+    finally:
+        docker_engine.run("rmi", tag, check=False)
+
+
+def test_the_documented_kimi_config_loads_with_specforges_schema(tmp_path: Path) -> None:
+    """docs/online.md's `specforge train` config for Kimi-K2.5 loads with SpecForge 0.2.0's own
+    load_config: disaggregated over Mooncake, its producers at the bridges, the aux layer ids
+    of the servers' dump layers (hsdump layer l = SpecForge id l - 1), bf16."""
+    import yaml
+
+    specforge_on_path()
+    from specforge.config.schema import load_config
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "online.md").read_text()
+    block = doc.split("<!-- kimi-online-config -->\n```yaml\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "kimi.yaml").write_text(block)
+    cfg = load_config(str(tmp_path / "kimi.yaml"), [])
+    d = cfg.deployment.disaggregated
+    assert cfg.deployment.mode == "disaggregated" and d.backend == "mooncake"
+    assert all(u.endswith(":30100") for u in d.server_urls), d.server_urls  # the bridge's port
+    ids = cfg.model.aux_hidden_state_layer_ids
+    assert ids == [1, 29, 57] and server_layers_for(ids) == [2, 30, 58]
+    assert "SGLANG_HS_DUMP_LAYERS 2,30,58" in block
+    assert cfg.model.torch_dtype == "bfloat16" and cfg.model.vocab_mapping_path
+    assert yaml.safe_load(block)["runtime"]["in_flight_high_watermark"] == 256
+

@@ -18,6 +18,7 @@ the file protocol only, never on SGLang.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -399,9 +400,22 @@ class SGLangEngine:
         return rows if isinstance(rows, list) else [rows]
 
 
-def make_server(bridge: Bridge, host: str, port: int) -> ThreadingHTTPServer:
-    """An HTTP server answering SpecForge's ``spec_capture`` ``/generate`` with ``bridge``
-    (one thread per request); anything else is refused with 404 naming the server to ask."""
+# Headers of one hop (RFC 9110 7.6.1) and the ones the HTTP clients set themselves: not
+# forwarded either way.
+HOP_HEADERS = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
+                         "te", "trailer", "transfer-encoding", "upgrade", "host",
+                         "content-length"})
+FORWARD_CHUNK = 64 << 10
+
+
+def make_server(bridge: Bridge, host: str, port: int, upstream: str,
+                timeout: float = 300.0) -> ThreadingHTTPServer:
+    """An HTTP server answering SpecForge's ``spec_capture`` ``/generate`` with ``bridge`` (one
+    thread per request); every other request (any path, a plain ``/generate``, streamed or
+    not) is forwarded to the SGLang server at ``upstream`` unchanged, and its answer (status,
+    headers, body bytes, as they arrive) goes back unchanged."""
+    upstream = upstream.rstrip("/")
+    sessions = threading.local()
 
     class Handler(BaseHTTPRequestHandler):
         def _answer(self, code: int, payload: Any) -> None:
@@ -412,22 +426,62 @@ def make_server(bridge: Bridge, host: str, port: int) -> ThreadingHTTPServer:
             self.end_headers()
             self.wfile.write(raw)
 
-        def do_POST(self) -> None:
+        def _body(self) -> bytes | None:
+            length = int(self.headers.get("Content-Length") or 0)
+            return self.rfile.read(length) if length else None
+
+        def _forward(self, body: bytes | None = None) -> None:
+            if not hasattr(sessions, "session"):
+                sessions.session = requests.Session()
+            headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_HEADERS}
             try:
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
-            except ValueError as e:
-                return self._answer(400, {"error": f"the body is not JSON: {e}"})
-            if self.path != "/generate" or not isinstance(body, dict) \
-                    or "spec_capture" not in body:
-                return self._answer(404, {"error": "this bridge answers only spec_capture "
-                                                   "/generate requests; send others to the "
-                                                   "SGLang server"})
+                r = sessions.session.request(self.command, upstream + self.path, data=body,
+                                             headers=headers, stream=True, timeout=timeout,
+                                             allow_redirects=False)
+            except requests.RequestException as e:
+                return self._answer(502, {"error": f"the SGLang server {upstream} did not "
+                                                   f"answer {self.command} {self.path}: {e}"})
+            with r:
+                self.send_response_only(r.status_code, r.reason)
+                for k, v in r.raw.headers.items():
+                    if k.lower() not in HOP_HEADERS - {"content-length"}:
+                        self.send_header(k, v)
+                self.end_headers()
+                if self.command == "HEAD":
+                    return None
+                # HTTP/1.0: the body ends with the connection when it has no Content-Length
+                # (a streamed /generate); bytes go on as they arrive, still encoded.
+                for chunk in r.raw.stream(FORWARD_CHUNK, decode_content=False):
+                    self.wfile.write(chunk)
+                    self.wfile.flush()
+            return None
+
+        def do_POST(self) -> None:
+            raw = self._body()
+            body = None
+            if self.path == "/generate" and raw:
+                with contextlib.suppress(ValueError):
+                    body = json.loads(raw)
+            if not isinstance(body, dict) or "spec_capture" not in body:
+                return self._forward(raw)
             try:
                 return self._answer(200, bridge.generate(body))
             except BridgeRequestError as e:
                 return self._answer(400, {"error": str(e)})
             except Exception as e:  # the whole batch fails; SpecForge retries its lease
                 return self._answer(502, {"error": f"{type(e).__name__}: {e}"})
+
+        def do_GET(self) -> None:
+            self._forward()
+
+        def do_HEAD(self) -> None:
+            self._forward()
+
+        def do_PUT(self) -> None:
+            self._forward(self._body())
+
+        def do_DELETE(self) -> None:
+            self._forward(self._body())
 
         def log_message(self, format: str, *args: Any) -> None:
             pass
@@ -540,7 +594,8 @@ def main(args: argparse.Namespace) -> int:
         bridge = Bridge(args.dump_dir, sink, SGLangEngine(server_url, args.request_timeout),
                         marker_timeout=args.dump_timeout, workers=args.workers,
                         max_inflight_bytes=inflight)
-        http = make_server(bridge, args.host, args.port)
+        http = make_server(bridge, args.host, args.port, server_url,
+                           args.request_timeout)
     except (BridgeRequestError, protocol.ProtocolError, OSError) as e:
         sink.store.close()
         return _fail(str(e))

@@ -4,20 +4,34 @@ It adds what the capture patch needs (eager prefill, no radix cache, the dump di
 applies the Blackwell profile of :mod:`hsdump_patch.ops.blackwell` unless the user set the
 same flag, refuses arguments that contradict extraction, then replaces itself with the server
 (so a container's stop signal reaches SGLang directly).
+
+With ``--bridge`` it stays as the parent of two processes instead: the server, and once the
+server answers ``/ready``, ``hsdump bridge`` beside it (SpecForge's online capture, see
+docs/online.md). Either one exiting stops the other; a failed bridge's last lines are repeated.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import functools
 import os
 import shlex
+import signal
+import subprocess
 import sys
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import requests
+
 from hsdump_patch.capture import guards
+from hsdump_patch.client import bridge
 from hsdump_patch.ops import blackwell
+from hsdump_patch.ops.launch import stop_group
 from hsdump_patch.protocol import DEFAULT_DUMP_DIR, ENV_DIR
 
 # Eager prefill (the capture hooks never run in a graph replay) and no prefix cache. The
@@ -28,6 +42,12 @@ OWN_FLAGS = {"model_path": "--model", "tp_size": "--tp", "host": "--host", "port
 GRAPH_FLAGS = {"cuda_graph_backend_prefill": "--cuda-graph-backend-prefill",
                "cuda_graph_backend_decode": "--cuda-graph-backend-decode",
                "cuda_graph_config": "--cuda-graph-config"}
+
+
+# The bridge reaches a server bound to every address on loopback.
+LOCAL_HOSTS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
+DEFAULT_BRIDGE_WAIT = 3600.0  # a Kimi-K2.5 load plus first-start autotuning (the image's)
+BRIDGE_LOG_LINES = 40  # a failed bridge's last lines, repeated when it exits
 
 
 class ServeError(ValueError):
@@ -43,11 +63,38 @@ class Launch:
     profile: str
     applied: list[blackwell.Setting] = field(default_factory=list)
     overridden: list[blackwell.Setting] = field(default_factory=list)
+    bridge_argv: list[str] | None = None  # ``hsdump bridge`` beside the server (--bridge)
+    ready_url: str = ""
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # argparse would print usage and exit
         raise ServeError(f"SGLang 0.5.23 rejects the server arguments: {message}")
+
+
+class _BridgeParser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise ServeError(f"hsdump bridge rejects the --bridge-arg arguments: {message}")
+
+
+def bridge_command(args: argparse.Namespace) -> list[str]:
+    """The ``hsdump bridge`` command for the server ``args`` describe; raise ServeError."""
+    missing = [flag for flag, value in (("--mooncake-master", args.mooncake_master),
+                                        ("--mooncake-metadata", args.mooncake_metadata))
+               if not value]
+    if missing:
+        raise ServeError(f"--bridge needs {' and '.join(missing)} (or $HSDUMP_MOONCAKE_MASTER "
+                         "/ $HSDUMP_MOONCAKE_METADATA)")
+    host = LOCAL_HOSTS.get(args.host, args.host)
+    host = f"[{host}]" if ":" in host else host
+    flags = ["--server", f"http://{host}:{args.port}", "--dump-dir", args.dump_dir,
+             "--host", args.bridge_host, "--port", str(args.bridge_port),
+             "--mooncake-master", args.mooncake_master,
+             "--mooncake-metadata", args.mooncake_metadata, *args.bridge_arg]
+    parser = _BridgeParser(prog="hsdump", add_help=False)
+    bridge.add_parser(parser.add_subparsers(parser_class=_BridgeParser))
+    parser.parse_args(["bridge", *flags])  # a bad --bridge-arg fails here, before the server
+    return [sys.executable, "-m", "hsdump_patch.cli", "bridge", *flags]
 
 
 class _Explicit(argparse.Namespace):
@@ -115,12 +162,19 @@ def plan(args: argparse.Namespace, capability: tuple[int, int] | None) -> Launch
                    "--port", str(args.port), *REQUIRED_ARGS,
                    *(a for s in applied for a in s.args), *sglang_args]
     problems += guards.problems_for_cli_args(sglang_parser().parse_args(server_args))
+    bridge_argv = None
+    if args.bridge:
+        try:
+            bridge_argv = bridge_command(args)
+        except ServeError as e:
+            problems.append(str(e))
     if problems:
         raise ServeError("hsdump serve: these server arguments cannot be used for extraction:\n"
                          + "\n".join(f"  - {p}" for p in problems))
     env = {**os.environ, ENV_DIR: args.dump_dir}
     argv = [sys.executable, "-m", "sglang.launch_server", *server_args]
-    return Launch(argv, env, profile, applied, overridden)
+    ready = bridge_argv[bridge_argv.index("--server") + 1] + "/ready" if bridge_argv else ""
+    return Launch(argv, env, profile, applied, overridden, bridge_argv, ready)
 
 
 def _summary(launch: Launch, capability: tuple[int, int] | None) -> str:
@@ -143,10 +197,76 @@ def run(args: argparse.Namespace) -> int:
         return 2
     print(_summary(launch, capability), file=sys.stderr)
     print("hsdump serve: " + shlex.join(launch.argv), file=sys.stderr, flush=True)
+    if launch.bridge_argv is not None:
+        print("hsdump serve: once ready, beside it: " + shlex.join(launch.bridge_argv),
+              file=sys.stderr, flush=True)
     if args.dry_run:
         return 0
-    os.execve(launch.argv[0], launch.argv, launch.env)
-    return 1  # not reached
+    if launch.bridge_argv is None:
+        os.execve(launch.argv[0], launch.argv, launch.env)
+    return supervise(launch, args.bridge_wait)
+
+
+def _say(message: str) -> None:
+    print(f"hsdump serve: {message}", file=sys.stderr, flush=True)
+
+
+def _ready(url: str) -> bool:
+    with contextlib.suppress(requests.RequestException):
+        return requests.get(url, timeout=5).status_code == 200
+    return False
+
+
+def supervise(launch: Launch, ready_timeout: float) -> int:
+    """Run the server, then (once ``/ready``) the bridge, until either exits or a SIGTERM /
+    SIGINT comes; stop both. The server's exit code, or 1 when the bridge failed."""
+    assert launch.bridge_argv is not None
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    server = subprocess.Popen(launch.argv, env=launch.env, start_new_session=True)
+    proc: subprocess.Popen | None = None
+    try:
+        deadline = time.monotonic() + ready_timeout
+        while not _ready(launch.ready_url):
+            if server.poll() is not None:
+                _say(f"the server exited with {server.returncode} before it was ready")
+                return server.returncode
+            if time.monotonic() > deadline:
+                _say(f"the server was not ready at {launch.ready_url} within "
+                     f"{ready_timeout:g} s (--bridge-wait): stopping it")
+                return 1
+            if stop.wait(2):
+                return 0
+        _say("the server is ready: starting the bridge")
+        proc = subprocess.Popen(launch.bridge_argv, env=launch.env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        tail: collections.deque[str] = collections.deque(maxlen=BRIDGE_LOG_LINES)
+
+        def relay() -> None:  # the bridge's output goes to stderr as it comes
+            for line in proc.stdout:
+                tail.append(line)
+                sys.stderr.write(line)
+                sys.stderr.flush()
+
+        reader = threading.Thread(target=relay, daemon=True)
+        reader.start()
+        while not stop.wait(1):
+            if server.poll() is not None:
+                _say(f"the server exited with {server.returncode}: stopping the bridge")
+                return server.returncode
+            if proc.poll() is not None:
+                reader.join(timeout=10)
+                _say(f"the bridge exited with {proc.returncode}: stopping the server; its last "
+                     "lines:\n" + "".join(tail))
+                return 1
+        return 0
+    finally:
+        if proc is not None:
+            stop_group(proc)
+        stop_group(server)
+        if server.returncode not in (None, 0, -signal.SIGTERM):
+            _say(f"the server stopped with {server.returncode}")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -174,6 +294,32 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--profile", choices=blackwell.PROFILES, default="auto",
                    help="GPU profile: auto detects the compute capability (sm_120 -> sm120, "
                         "sm_100 -> sm100, else none); see docs/image.md (default: auto)")
+    p.add_argument("--bridge", action="store_true",
+                   default=env("HSDUMP_BRIDGE", "0") == "1",
+                   help="also run hsdump bridge (SpecForge's online capture into Mooncake, "
+                        "docs/online.md) beside the server, started once the server is ready "
+                        "(default: off; $HSDUMP_BRIDGE=1 turns it on)")
+    p.add_argument("--mooncake-master", default=env("HSDUMP_MOONCAKE_MASTER"),
+                   help="the bridge's Mooncake master, host:port (default: "
+                        "$HSDUMP_MOONCAKE_MASTER; required with --bridge)")
+    p.add_argument("--mooncake-metadata", default=env("HSDUMP_MOONCAKE_METADATA"),
+                   help="the bridge's Mooncake metadata server URL (default: "
+                        "$HSDUMP_MOONCAKE_METADATA; required with --bridge)")
+    p.add_argument("--bridge-host", default=env("HSDUMP_BRIDGE_HOST", bridge.DEFAULT_HOST),
+                   help=f"address the bridge listens on (default: $HSDUMP_BRIDGE_HOST or "
+                        f"{bridge.DEFAULT_HOST})")
+    p.add_argument("--bridge-port", type=int,
+                   default=int(env("HSDUMP_BRIDGE_PORT", str(bridge.DEFAULT_PORT))),
+                   help=f"port the bridge listens on (default: $HSDUMP_BRIDGE_PORT or "
+                        f"{bridge.DEFAULT_PORT})")
+    p.add_argument("--bridge-arg", action="append", default=shlex.split(env("HSDUMP_BRIDGE_ARGS",
+                                                                          "")),
+                   help="a further hsdump bridge argument, repeatable, e.g. "
+                        "--bridge-arg=--segment-size=64GiB (default: $HSDUMP_BRIDGE_ARGS, "
+                        "split as a shell does, or none)")
+    p.add_argument("--bridge-wait", type=float, default=DEFAULT_BRIDGE_WAIT,
+                   help="seconds the server may take to become ready before the bridge starts; "
+                        f"past them both stop (default: {DEFAULT_BRIDGE_WAIT:g})")
     p.add_argument("--dry-run", action="store_true",
                    help="print the server command and exit (default: off)")
     p.add_argument("sglang_args", nargs=argparse.REMAINDER,

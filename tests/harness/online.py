@@ -99,3 +99,18 @@ def sf_capture(layers: tuple[int, ...], hidden: int):
     return CaptureConfig.from_strategy(
         {"hidden_state", "target", "input_ids", "loss_mask", "attention_mask"}, layers,
         target_repr="hidden_state", target_hidden_size=hidden)
+
+
+# Debian's libraries Mooncake's wheel links (the official SGLang image ships them; the CPU
+# stand-in of it does not).
+RDMA_LIBS = "libibverbs1 librdmacm1 libnuma1"
+
+
+def image_with_rdma_libs(engine, base: str) -> str:
+    """Tag of ``base`` with Debian's :data:`RDMA_LIBS` added (built with the host's network;
+    the caller removes it)."""
+    tag = f"{base.rsplit(':', 1)[0]}:bridge-libs-{os.getpid()}"
+    engine.run("build", "--network", "host", "-t", tag, "-", input=(
+        f"FROM {base}\nRUN apt-get update && apt-get install -y --no-install-recommends "
+        f"{RDMA_LIBS} && rm -rf /var/lib/apt/lists/*\n"))
+    return tag
