@@ -55,7 +55,8 @@ benchtree.select()
 import torch  # noqa: E402 - imports after choosing the tree (--tree)
 
 from hsdump_patch import __version__, protocol  # noqa: E402
-from hsdump_patch.client.extract import Extraction, Settings  # noqa: E402
+from hsdump_patch.client.extract import Extraction  # noqa: E402
+from hsdump_patch.client.extract import ExtractSettings as Settings  # noqa: E402
 from hsdump_patch.client.output import records  # noqa: E402
 from hsdump_patch.client.rows.dataset import Sample, SampleError, index_dataset, iter_samples  # noqa: E402
 
@@ -169,9 +170,11 @@ def raw_write(out: Path, sizes: list[int], threads: int) -> float:
 
 def extraction(settings: Settings, info: protocol.ServerInfo) -> Extraction:
     """The client's run object, without HTTP (a --tree from before issue 21 has no run id)."""
-    if "run_id" in inspect.signature(Extraction).parameters:
-        return Extraction(settings, info, None, RUN_ID)  # type: ignore[arg-type]
-    return Extraction(settings, info, None)  # type: ignore[call-arg,arg-type]
+    params = inspect.signature(Extraction).parameters
+    extra = [RUN_ID] if "run_id" in params else []
+    if "render_key" in params:  # records only: no manifest is written here
+        extra.append("")
+    return Extraction(settings, info, None, *extra)  # type: ignore[arg-type]
 
 
 def run_client(settings: Settings, info: protocol.ServerInfo, samples: list[Sample],
