@@ -1,7 +1,7 @@
 """Real Ansible against this machine: lint, syntax, preflight, /dev/shm, deploy, extract, teardown.
 
-The playbooks run with a local connection on the test machine itself (tests/ansible/ holds the
-inventories and the CPU-host variables). The deploy sequence runs once for the module: a
+The playbooks run with a local connection on the test machine itself (tests/ansible/playbooks/
+holds the inventories and the CPU-host variables). The deploy sequence runs once for the module: a
 ``--check`` run on the fresh host, the real run, and a second run that must change nothing;
 the tests then inspect what those runs left, run extract.yml over a two-host inventory, and
 finally teardown.yml. The air-gapped image path (a ``docker save`` tarball copied from the
@@ -29,8 +29,7 @@ import requests
 import torch
 import yaml
 
-from tests.conftest import require
-from tests.fixtures_ansible import (
+from tests.harness.ansible import (
     ANSIBLE_DIR,
     CASES,
     CPU_VARS,
@@ -41,10 +40,11 @@ from tests.fixtures_ansible import (
     _debian_image,
     _docker,
 )
+from tests.harness.needs import require
 from tests.harness.server import CPU_SHIM, free_port
 
-# docker_engine and hsdump_image come from tests/fixtures_image.py, ansible from
-# tests/fixtures_ansible.py (conftest plugins).
+# docker_engine and hsdump_image come from tests/harness/image.py, ansible from
+# tests/harness/ansible.py (plugins of tests/conftest.py).
 PLAYBOOKS = ("deploy.yml", "teardown.yml", "extract.yml", "verify.yml", "upgrade.yml")
 SHIM_MOUNT = "/opt/hsdump-cpu-shim"  # where cpu-host.yml's PYTHONPATH expects the harness
 

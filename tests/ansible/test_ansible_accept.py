@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.fixtures_ansible import CASES, ONE_HOST, _debian_image, _docker
+from tests.harness.ansible import CASES, ONE_HOST, _debian_image, _docker
 
 W_NAME, W_VALUE = 25, 46  # dcgmi's table: "| <name:25> | <value:46> |", messages cut at 45
 

@@ -1,5 +1,6 @@
-"""Shared by the Ansible tests (tests/test_ansible*.py, a conftest plugin): the paths, the
-``ansible`` fixture that runs real ansible-playbook, the Debian host image, a docker helper."""
+"""Shared by the Ansible lane (tests/ansible/test_ansible*.py; a pytest plugin of
+tests/conftest.py): the paths, the ``ansible`` fixture that runs real ansible-playbook, the
+Debian host image, a docker helper."""
 
 from __future__ import annotations
 
@@ -14,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import require
+from tests.harness.needs import require
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ANSIBLE_DIR = ROOT / "ansible"
-CASES = ROOT / "tests" / "ansible"
+CASES = ROOT / "tests" / "ansible" / "playbooks"
 CPU_VARS = CASES / "cpu-host.yml"
 ONE_HOST = CASES / "inventory-one.yml"
 TWO_HOSTS = CASES / "inventory-two.yml"

@@ -1,4 +1,5 @@
-"""Fixtures for tests that need a container engine or the hsdump image (a pytest plugin).
+"""Fixtures for tests that need a container engine or the hsdump image (a pytest plugin of
+tests/conftest.py).
 
 ``docker_engine`` makes sure a real Docker engine answers (starting ``dockerd
 --iptables=false`` when root and none answers; ``make prereqs`` installs Debian's
@@ -19,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import require
+from tests.harness.needs import require
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 STANDIN_TAG = "hsdump-test/sglang-standin:0.5.23"
 IMAGE_TAG = "hsdump-test/hsdump-sglang:test"
 DOCKERD_LOG = Path("/var/log/hsdump-test-dockerd.log")

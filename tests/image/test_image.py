@@ -24,10 +24,10 @@ import torch
 
 from hsdump_patch import cli, protocol
 from hsdump_patch.ops import blackwell, serve
-from tests.conftest import require
-from tests.fixtures_image import REPO, Engine, make_image
 from tests.harness import server as srv
 from tests.harness.dumps import read_dump
+from tests.harness.image import REPO, Engine, make_image
+from tests.harness.needs import require
 from tests.harness.reference import hf_hidden_states
 
 BF16_ATOL, BF16_RTOL = 3e-2, 2e-2

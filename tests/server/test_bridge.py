@@ -34,7 +34,7 @@ from hsdump_patch.client.bridge import (
     make_server,
     server_layers_for,
 )
-from tests.conftest import require, specforge_on_path
+from tests.harness.needs import require, specforge_on_path
 from tests.harness.online import local_mooncake, sf_adapter, sf_capture
 
 HIDDEN = 16
@@ -411,7 +411,7 @@ def test_real_server_two_producers_batches_and_chunked_prefill_equal_hf_fp32(
     three tasks, one longer than three prefill chunks: every ref SpecForge builds reads back,
     with its own get, what an HF float32 forward gives; the layer ids SpecForge checks are the
     server's; the bridge's dump directories are gone."""
-    from tests.conftest import CHUNK
+    from tests.harness.dump_server import CHUNK
 
     url, bridge = live
     info = bridge.info
@@ -475,7 +475,7 @@ def test_hsdump_bridge_command_serves_specforge_and_stops_with_a_summary(
     produce_refs over HTTP gets refs that read back as HF float32 gives; SIGTERM stops it with
     exit 0 and a summary counting what it published."""
     info = protocol.read_server_info(llama_server.dump_dir)
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     with open(tmp_path / "bridge.err", "w") as err:
         proc = subprocess.Popen(
             [sys.executable, "-m", "hsdump_patch.cli", "bridge", "--server", llama_server.url,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import stat
 import time
@@ -22,18 +21,13 @@ import torch
 from hsdump_patch import protocol
 from hsdump_patch.capture.session import STATUS_INTERVAL_S
 from hsdump_patch.ops import verify_checks
-from tests.conftest import CHUNK, DumpServer
+from tests.harness.dump_server import CHUNK, DumpServer, prompt
 from tests.harness.dumps import read_dump, server_layers, wait_finished
 from tests.harness.reference import hf_hidden_states
 
 pytestmark = pytest.mark.server
 
 EXPECTED_LAYERS = {"llama_server": [2, 4, 5], "deepseek_server": [2, 4, 6]}
-
-
-def prompt(seed: int, length: int) -> list[int]:
-    rng = random.Random(seed)
-    return [1] + [rng.randrange(10, 1000) for _ in range(length - 1)]
 
 
 def assert_bf16_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:

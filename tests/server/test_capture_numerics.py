@@ -13,10 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import CHUNK, DumpServer, start_dump_server
+from tests.harness.dump_server import CHUNK, DumpServer, prompt, start_dump_server
 from tests.harness.dumps import Dump, read_dump
 from tests.harness.reference import hf_hidden_states
-from tests.test_capture import prompt
 
 pytestmark = pytest.mark.server
 

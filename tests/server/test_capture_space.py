@@ -10,9 +10,9 @@ import pytest
 import requests
 
 from hsdump_patch import protocol
-from tests.conftest import require, start_dump_server
+from tests.harness.dump_server import prompt, start_dump_server
 from tests.harness.dumps import wait_finished
-from tests.test_capture import prompt
+from tests.harness.needs import require
 
 pytestmark = pytest.mark.server
 

@@ -3,7 +3,7 @@
 The tiny Kimi-K2.5 tokenizer (Kimi-style custom tiktoken code, tests/harness/kimi) turns the
 text ``<|im_assistant|>assistant<|im_middle|>`` into the assistant header tokens themselves, so
 a renderer that looks for the header in rendered text finds it inside a message. Expectations are
-spelled out as Kimi-K2.5's wire format (tests/test_kimi.py), token by token.
+spelled out as Kimi-K2.5's wire format (tests/harness/kimi_wire.py), token by token.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from hsdump_patch.client.conversation import (
     ConversationError,
     parse_conversation,
 )
-from tests.test_kimi import GEN, SYSTEM, emitted, expected, past, user
+from tests.harness.kimi_wire import GEN, SYSTEM, emitted, expected, past, user
 
 HEADER = "<|im_assistant|>assistant<|im_middle|>"
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import signal
 import subprocess
@@ -27,34 +26,12 @@ from hsdump_patch.cli import main as cli
 from hsdump_patch.client import records
 from hsdump_patch.client.assemble import wait_for_marker
 from tests.harness import server as srv
-from tests.test_client_dataset import CONV, openai_row, reference, sharegpt_row, write_jsonl
+from tests.harness.extraction import REL_TOL, extract, pre_tokenized, read_report, rel_err
+from tests.harness.rows import CONV, openai_row, reference, sharegpt_row, write_jsonl
 
 pytestmark = pytest.mark.server
-REPO = Path(__file__).resolve().parents[1]
-# ||record - HF|| / ||HF|| per layer: SGLang's CPU kernels and HF's eager bf16 path round
-# differently (measured up to ~4e-3 on the tiny Llama).
-REL_TOL = 2e-2
+REPO = Path(__file__).resolve().parents[2]
 LONG = " ".join(["Hidden states from decoder layers are dumped to shared memory."] * 12)
-
-
-def pre_tokenized(n: int, seed: int, lo: int = 20, hi: int = 150, prefix: str = "p"):
-    rng = random.Random(seed)
-    rows = []
-    for i in range(n):
-        length = rng.randint(lo, hi)
-        ids = [rng.randint(10, 1000) for _ in range(length)]
-        rows.append({"id": f"{prefix}{i}", "input_ids": ids,
-                     "loss_mask": [0] * (length // 3) + [1] * (length - length // 3)})
-    return rows
-
-
-def extract(server, dataset: Path, out: Path, *extra: str) -> int:
-    return cli(["extract", "--server", server.url, "--dump-dir", str(server.dump_dir),
-                "--dataset", str(dataset), "--out", str(out), "--no-progress", *extra])
-
-
-def read_report(out: Path, shard: str = "shard-0-of-1") -> dict:
-    return json.loads((out / f"report.{shard}.json").read_text())
 
 
 def rid_dirs(server, ids) -> list[str]:
@@ -75,10 +52,6 @@ def hf_reference(model, ids: list[int]) -> tuple[tuple[torch.Tensor, ...], torch
     with torch.no_grad():
         out = model.model(torch.tensor([ids]), output_hidden_states=True)
     return tuple(h[0] for h in out.hidden_states), out.last_hidden_state[0]
-
-
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
 @pytest.fixture(params=["llama_server", "deepseek_server"])

@@ -18,13 +18,13 @@ import torch
 
 from hsdump_patch import protocol
 from hsdump_patch.client import records
-from tests.conftest import start_dump_server
 from tests.harness import server as srv
-from tests.test_client_dataset import write_jsonl
-from tests.test_client_extract import extract, pre_tokenized, read_report
+from tests.harness.dump_server import start_dump_server
+from tests.harness.extraction import extract, pre_tokenized, read_report
+from tests.harness.rows import write_jsonl
 
 pytestmark = pytest.mark.server
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def extract_cmd(server, dataset: Path, out: Path, *extra: str) -> list[str]:

@@ -19,9 +19,8 @@ from hsdump_patch.cli import main as cli
 from hsdump_patch.client import records
 from hsdump_patch.client.conversation import ChatRenderer, parse_conversation
 from hsdump_patch.reader import iter_records
+from tests.harness.kimi_wire import GEN, SYSTEM, emitted, expected, past, user
 
-SYSTEM = "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>"  # noqa: E501
-GEN = "<|im_assistant|>assistant<|im_middle|><think>"
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather of a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
@@ -48,10 +47,6 @@ def system(text: str) -> str:
     return f"<|im_system|>system<|im_middle|>{text}<|im_end|>"
 
 
-def user(text: str) -> str:
-    return f"<|im_user|>user<|im_middle|>{text}<|im_end|>"
-
-
 def tool(call_id: str, text: str) -> str:
     return f"<|im_system|>tool<|im_middle|>## Return of {call_id}\n{text}<|im_end|>"
 
@@ -60,16 +55,6 @@ def calls(*items: tuple[str, str]) -> str:
     return ("<|tool_calls_section_begin|>" + "".join(
         f"<|tool_call_begin|>{i}<|tool_call_argument_begin|>{a}<|tool_call_end|>"
         for i, a in items) + "<|tool_calls_section_end|>")
-
-
-def past(content: str, section: str = "", reasoning: str = "") -> str:
-    """An earlier assistant turn as the template renders it in a later prompt."""
-    return f"<|im_assistant|>assistant<|im_middle|><think>{reasoning}</think>{content}{section}<|im_end|>"  # noqa: E501
-
-
-def emitted(reasoning: str, content: str, section: str = "") -> str:
-    """An assistant turn as the model generates it after GEN."""
-    return f"{reasoning}</think>{content}{section}<|im_end|>"
 
 
 WEATHER_CALL = calls(("functions.get_weather:0", '{"city": "Paris"}'))
@@ -131,15 +116,6 @@ BATTERY = [
                 (emitted("Be nice.", "You are welcome."), 1)]),
     ]),
 ]
-
-
-def expected(tok, segments) -> tuple[list[int], list[int]]:
-    ids, mask = [], []
-    for text, trained in segments:
-        seg = tok.encode(text, add_special_tokens=False)
-        ids += seg
-        mask += [trained] * len(seg)
-    return ids, mask
 
 
 @pytest.fixture(scope="module")

@@ -32,11 +32,11 @@ from hsdump_patch.client.regenerate import (
 )
 from hsdump_patch.client.rowlog import RowLog
 from hsdump_patch.reader import iter_records
-from tests.conftest import start_dump_server
 from tests.harness import server as srv
-from tests.test_client_dataset import CONV, openai_row, sharegpt_row, write_jsonl
+from tests.harness.dump_server import start_dump_server
+from tests.harness.rows import CONV, openai_row, sharegpt_row, write_jsonl
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 NEW = 6  # --max-new-tokens
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather of a city",

@@ -20,10 +20,11 @@ import torch
 from hsdump_patch import protocol
 from hsdump_patch.client import records
 from hsdump_patch.reader import iter_records, manifest_entries
-from tests.conftest import specforge_on_path
+from tests.harness.extraction import REL_TOL, extract, pre_tokenized, read_report, rel_err
+from tests.harness.needs import specforge_on_path
 from tests.harness.reference import hf_hidden_states
-from tests.test_client_dataset import write_jsonl
-from tests.test_client_extract import REL_TOL, REPO, extract, pre_tokenized, read_report, rel_err
+from tests.harness.rows import write_jsonl
+from tests.harness.server import REPO
 
 pytestmark = pytest.mark.server
 MAX_LEN = 2048  # SpecForge's default data.max_length

@@ -25,10 +25,11 @@ import torch
 
 from hsdump_patch.client.dataset import Shard
 from hsdump_patch.reader import load_record
-from tests.conftest import specforge_on_path
+from tests.harness.extraction import extract, pre_tokenized, read_report
 from tests.harness.make_models import VOCAB
-from tests.test_client_dataset import write_jsonl
-from tests.test_client_extract import REPO, extract, pre_tokenized, read_report
+from tests.harness.needs import specforge_on_path
+from tests.harness.rows import write_jsonl
+from tests.harness.server import REPO
 
 pytestmark = pytest.mark.server
 DRAFT_VOCAB = 64  # fewer than the distinct trained ids below: the top-N choice matters

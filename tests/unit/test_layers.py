@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LINT = Path(sys.executable).parent / "lint-imports"
 
 
@@ -59,7 +59,7 @@ def test_a_wrong_arrow_breaks_the_lint(tmp_path, line, broken):
 
 
 # The targets whose job is the test suite (running or linting it).
-TEST_TARGETS = {"test", "ansible-test", "lint"}
+TEST_TARGETS = {"test", "test-unit", "test-server", "test-image", "test-ansible", "lint"}
 
 
 # The one exception: the test-only CPU stand-in for sgl_kernel (kept under tests/, never

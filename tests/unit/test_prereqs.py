@@ -27,14 +27,15 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PREREQS = ROOT / "scripts" / "prereqs.txt"
 # Python sources and shell scripts whose programs run on the test machine itself.
 PYTHON_DIRS = ("tests", "scripts")
 SHELL_FILES = (".ci/run",)  # and every *.sh under PYTHON_DIRS
 # Make targets the README, .ci/run and the tests call (variables keep them printable with -n).
-MAKE_TARGETS = ("test", "lint", "prereqs", "venv", "image", "image-save", "smoke", "verify",
-                "ansible-venv", "ansible-lint", "ansible-test",
+MAKE_TARGETS = ("test", "test-unit", "test-server", "test-image", "test-ansible", "lint",
+                "prereqs", "venv", "image", "image-save", "smoke", "verify",
+                "ansible-venv", "ansible-lint",
                 "regenerate-extract SERVER=http://x DATASET=d OUT=o")
 SUBPROCESS_CALLS = frozenset({"run", "Popen", "call", "check_call", "check_output"})
 # Shell words that are no program: keywords keep the next word a command, builtins do not.
