@@ -64,6 +64,11 @@ def test_report_shows_what_each_check_covered(verify_run):
         fused = checks["a", f"tp {tp}"]["data"]["fused_allreduce_rmsnorm"]
         assert fused == {"ran": None, "why": "not applicable: no GPU"}
         assert max(c["max_requests_per_forward"] for c in cases) >= 2
+        # Dump on vs off (check c): token ids and every logprob, compared exactly (before the
+        # lanes, tests/server/test_capture_numerics.py started its own dump-off servers for it).
+        outputs = checks["c", f"tp {tp}"]["detail"]
+        assert outputs.startswith("each server repeats itself;"), outputs
+        assert "every input/output/top-5 logprob identical with the dump on and off" in outputs
         ranks = checks["d", f"tp {tp}"]["data"]
         assert ranks["writer_lines"] == 1 and ranks["non_writer_lines"] == tp - 1
         assert ranks["server_json_pid"] == ranks["rank_pids"]["0"]
