@@ -70,3 +70,11 @@ def tiny_kimi(tmp_path_factory, sglang_available) -> tuple[Path, Path]:
     out = tmp_path_factory.mktemp("kimi-models")
     return (make_models.make_kimi_k25(out / "tiny-kimi-k25", out / "tiny-kimi-k25-text"),
             out / "tiny-kimi-k25-text")
+
+
+@pytest.fixture(scope="module")
+def kimi_tokenizer(tiny_kimi):
+    """The tiny Kimi-K2.5's tokenizer (Kimi's custom tiktoken code), loaded once per module."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_kimi[0], trust_remote_code=True)

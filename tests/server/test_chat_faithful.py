@@ -24,13 +24,6 @@ from tests.harness.kimi_wire import GEN, SYSTEM, emitted, expected, past, user
 HEADER = "<|im_assistant|>assistant<|im_middle|>"
 
 
-@pytest.fixture(scope="module")
-def kimi_tokenizer(tiny_kimi):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_kimi[0], trust_remote_code=True)
-
-
 QUOTED = [
     ({"id": "quoted-once", "messages": [
         {"role": "user", "content": f"Print {HEADER} verbatim."},

@@ -1,10 +1,8 @@
 """A tiny Kimi-K2.5 end to end: real-shaped agent / thinking rows -> serving-faithful samples.
 
 The expectations are written independently of the chat template and of the renderer: each
-sample is spelled out as Kimi-K2.5's wire format (the segments below), the prompt part as the
-template renders the conversation before a turn with the generation prompt (which opens
-``<think>``), the trained part as the model emits the turn after it: reasoning, ``</think>``,
-content, tool-call section, ``<|im_end|>``.
+sample is spelled out as Kimi-K2.5's wire format (tests/harness/kimi_wire.py); the same battery
+is rendered without a server in tests/unit/test_kimi_render.py.
 """
 
 from __future__ import annotations
@@ -17,154 +15,8 @@ import torch
 from hsdump_patch import protocol
 from hsdump_patch.cli import main as cli
 from hsdump_patch.client import records
-from hsdump_patch.client.conversation import ChatRenderer, parse_conversation
 from hsdump_patch.reader import iter_records
-from tests.harness.kimi_wire import GEN, SYSTEM, emitted, expected, past, user
-
-TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "Weather of a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
-CALL = {"id": "functions.get_weather:0", "type": "function",
-        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
-
-
-def _sorted(obj):
-    if isinstance(obj, dict):
-        return {k: _sorted(v) for k, v in sorted(obj.items())}
-    return [_sorted(v) for v in obj] if isinstance(obj, list) else obj
-
-
-def tools_decl(tools) -> str:
-    """The declaration as served: SGLang's chat API dumps each tool through its request model."""
-    from sglang.srt.entrypoints.openai.protocol import Tool
-
-    served = [Tool.model_validate(t).model_dump() for t in tools]
-    return ("<|im_system|>tool_declare<|im_middle|>"
-            + json.dumps(_sorted(served), separators=(",", ":")) + "<|im_end|>")
-
-
-def system(text: str) -> str:
-    return f"<|im_system|>system<|im_middle|>{text}<|im_end|>"
-
-
-def tool(call_id: str, text: str) -> str:
-    return f"<|im_system|>tool<|im_middle|>## Return of {call_id}\n{text}<|im_end|>"
-
-
-def calls(*items: tuple[str, str]) -> str:
-    return ("<|tool_calls_section_begin|>" + "".join(
-        f"<|tool_call_begin|>{i}<|tool_call_argument_begin|>{a}<|tool_call_end|>"
-        for i, a in items) + "<|tool_calls_section_end|>")
-
-
-WEATHER_CALL = calls(("functions.get_weather:0", '{"city": "Paris"}'))
-# (row, [(sample id suffix, [(text, trained), ...]), ...]): every shape of issue 9.
-BATTERY = [
-    ({"id": "tool-null-content", "system": "Be brief.", "tools": TOOLS, "messages": [
-        {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": None, "reasoning_content": "I need the tool.",
-         "tool_calls": [CALL]},
-        {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "18C, rain"},
-        {"role": "assistant", "content": "Rainy, 18C.", "reasoning_content": "Tool says rain."},
-    ]}, [("", [(tools_decl(TOOLS) + system("Be brief.") + user("Weather in Paris?") + GEN, 0),
-               (emitted("I need the tool.", "", WEATHER_CALL), 1),
-               (tool("functions.get_weather:0", "18C, rain") + GEN, 0),
-               (emitted("Tool says rain.", "Rainy, 18C."), 1)])]),
-    ({"id": "list-of-parts", "messages": [
-        {"role": "user", "content": [{"type": "text", "text": "What is "},
-                                     {"type": "text", "text": "2+3?"}]},
-        {"role": "assistant", "content": [{"type": "text", "text": "5"}]},
-    ]}, [("", [(SYSTEM + user("What is 2+3?") + GEN, 0), (emitted("", "5"), 1)])]),
-    ({"id": "sharegpt-from-value", "conversations": [
-        {"from": "system", "value": "You are terse."},
-        {"from": "human", "value": "Hello world"},
-        {"from": "gpt", "value": "Hello!"},
-        {"from": "human", "value": "Capital of France?"},
-        {"from": "gpt", "value": "Paris."},
-    ]}, [("", [(system("You are terse.") + user("Hello world") + GEN, 0),
-               (emitted("", "Hello!"), 1), (user("Capital of France?") + GEN, 0),
-               (emitted("", "Paris."), 1)])]),
-    ({"id": "sharegpt-role-content", "tools": [TOOLS[0]["function"]], "conversations": [
-        {"role": "human", "content": "Weather in Paris?"},
-        {"role": "gpt", "content": "Checking.", "tool_calls": [CALL]},
-    ]}, [("", [(tools_decl(TOOLS) + SYSTEM + user("Weather in Paris?") + GEN, 0),
-               (emitted("", "Checking.", WEATHER_CALL), 1)])]),
-    ({"id": "assistant-first", "messages": [
-        {"role": "assistant", "content": "Hi, how can I help?"},
-        {"role": "user", "content": "Say hello"},
-        {"role": "assistant", "content": "Hello!", "reasoning_content": "Easy."},
-    ]}, [("", [(SYSTEM + past("Hi, how can I help?") + user("Say hello") + GEN, 0),
-               (emitted("Easy.", "Hello!"), 1)])]),
-    # A thinking agent trace over two user turns: the final answer of the first turn makes the
-    # template drop the earlier reasoning, so each turn is its own serving-time sample.
-    ({"id": "agent-trace", "tools": TOOLS, "messages": [
-        {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": "", "reasoning_content": "Call the tool.",
-         "tool_calls": [CALL]},
-        {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "rain"},
-        {"role": "assistant", "content": "It rains.", "reasoning_content": "It says rain."},
-        {"role": "user", "content": "Thanks!"},
-        {"role": "assistant", "content": "You are welcome.", "reasoning_content": "Be nice."},
-    ]}, [
-        ("", [(tools_decl(TOOLS) + SYSTEM + user("Weather in Paris?") + GEN, 0),
-              (emitted("Call the tool.", "", WEATHER_CALL), 1)]),
-        ("#3", [(tools_decl(TOOLS) + SYSTEM + user("Weather in Paris?")
-                 + past("", WEATHER_CALL, "Call the tool.") + tool(CALL["id"], "rain") + GEN, 0),
-                (emitted("It says rain.", "It rains."), 1)]),
-        ("#5", [(tools_decl(TOOLS) + SYSTEM + user("Weather in Paris?") + past("", WEATHER_CALL)
-                 + tool(CALL["id"], "rain") + past("It rains.") + user("Thanks!") + GEN, 0),
-                (emitted("Be nice.", "You are welcome."), 1)]),
-    ]),
-]
-
-
-@pytest.fixture(scope="module")
-def kimi_tokenizer(tiny_kimi):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_kimi[0], trust_remote_code=True)
-
-
-def test_kimi_tokenizer_is_kimis_custom_code_with_its_special_layout(kimi_tokenizer):
-    tok = kimi_tokenizer
-    assert type(tok).__name__ == "TikTokenTokenizer"
-    base = len(tok.model._mergeable_ranks)
-    for text, off in (("<|im_end|>", 2), ("<|im_assistant|>", 4), ("<|im_middle|>", 17),
-                      ("<think>", 22), ("</think>", 23), ("<|tool_calls_section_begin|>", 11)):
-        assert tok.encode(text, add_special_tokens=False) == [base + off]
-
-
-@pytest.mark.parametrize(("row", "want"), BATTERY, ids=[r["id"] for r, _ in BATTERY])
-def test_battery_of_real_shaped_rows_masks_token_by_token(kimi_tokenizer, row, want):
-    samples = ChatRenderer(kimi_tokenizer).render(parse_conversation(row))
-    assert [s.suffix for s in samples] == [suffix for suffix, _ in want]
-    for sample, (_, segments) in zip(samples, want, strict=True):
-        ids, mask = expected(kimi_tokenizer, segments)
-        assert sample.input_ids == ids
-        assert sample.loss_mask == mask
-
-
-def test_multi_turn_policies(kimi_tokenizer):
-    row = BATTERY[2][0]  # prefix-stable: auto gives one sample
-    conv = parse_conversation(row)
-    (auto,) = ChatRenderer(kimi_tokenizer, policy="auto").render(conv)
-    first, second = ChatRenderer(kimi_tokenizer, policy="per-turn").render(conv)
-    (last,) = ChatRenderer(kimi_tokenizer, policy="last").render(conv)
-    assert (first.suffix, second.suffix) == ("", "#4")
-    assert last.input_ids == second.input_ids == auto.input_ids
-    assert last.loss_mask == second.loss_mask
-    assert sum(auto.loss_mask) == sum(first.loss_mask) + sum(second.loss_mask)
-
-
-def test_regenerated_token_ids_are_the_completion_verbatim(kimi_tokenizer):
-    tok = kimi_tokenizer
-    generated = tok.encode(emitted("Hm.", "Yes"), add_special_tokens=False)
-    row = {"messages": [{"role": "user", "content": "Hello world"},
-                        {"role": "assistant", "content": "ignored", "token_ids": generated}]}
-    (sample,) = ChatRenderer(tok).render(parse_conversation(row))
-    prompt = tok.encode(SYSTEM + user("Hello world") + GEN, add_special_tokens=False)
-    assert sample.input_ids == prompt + generated
-    assert sample.loss_mask == [0] * len(prompt) + [1] * len(generated)
+from tests.harness.kimi_wire import BATTERY, expected
 
 
 @pytest.mark.server
