@@ -40,13 +40,40 @@ prereqs: ## Install the system packages the tests need (scripts/prereqs.txt; roo
 disk: ## Check, in seconds, that the disk can hold what `make test` builds (scripts/check_disk.py)
 	$(PYTHON) scripts/check_disk.py $(VENV)
 
-test: prereqs disk $(STAMP) $(SPECFORGE_DIR) ## Run the whole test suite (real CPU SGLang servers; sets itself up)
-	HSDUMP_SPECFORGE_PATH=$(abspath $(SPECFORGE_DIR)) $(PY) -m pytest -ra --durations=25 $(PYTEST_ARGS)
+# The suite in lanes (tests/<lane>/, docs/testing.md): each has its target; `make test` runs them
+# all, the unit and server lanes in one pytest process beside the image and Ansible lanes (which
+# mostly wait on containers) in another; TEST_JOBS=1 runs the two one after the other. The
+# output of each comes in one block when it ends; make fails when either fails.
+TEST_JOBS ?= 2
+PYTEST := HSDUMP_SPECFORGE_PATH=$(abspath $(SPECFORGE_DIR)) $(PY) -m pytest -ra --durations=25
+
+test: prereqs disk $(STAMP) $(SPECFORGE_DIR) ## Run every lane of the test suite (the CI command; sets itself up)
+	$(MAKE) --no-print-directory -k -j$(TEST_JOBS) -Otarget lanes-host lanes-containers
+
+test-unit: $(STAMP) ## The unit lane: no server, no container (under 2 minutes)
+	$(PYTEST) tests/unit $(PYTEST_ARGS)
+
+test-server: $(STAMP) $(SPECFORGE_DIR) ## The server lane: real CPU SGLang servers
+	$(PYTEST) tests/server $(PYTEST_ARGS)
+
+test-image: prereqs $(STAMP) ## The image lane: builds and runs the Docker image (stand-in base)
+	$(PYTEST) tests/image $(PYTEST_ARGS)
+
+test-ansible: prereqs $(STAMP) ## The Ansible lane: real ansible-playbook runs against containers
+	$(PYTEST) tests/ansible $(PYTEST_ARGS)
+
+# make test's two processes (set up by make test itself).
+lanes-host:
+	$(PYTEST) tests/unit tests/server $(PYTEST_ARGS)
+
+lanes-containers:
+	$(PYTEST) tests/image tests/ansible $(PYTEST_ARGS)
 
 lint: $(STAMP) ## ruff over the package, tests and scripts; the import contract (pyproject.toml)
 	$(VENV)/bin/ruff check hsdump_patch tests scripts
 	$(VENV)/bin/lint-imports
 
-.PHONY: help venv prereqs disk test lint
+.PHONY: help venv prereqs disk test test-unit test-server test-image test-ansible lanes-host \
+  lanes-containers lint
 
 -include mk/*.mk

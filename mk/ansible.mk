@@ -15,7 +15,4 @@ ansible-lint: $(ANSIBLE_STAMP) ## ansible-lint (production profile, offline) and
 	cd ansible && $(ANSIBLE_BIN)/ansible-lint
 	cd ansible && $(ANSIBLE_BIN)/ansible-playbook --syntax-check deploy.yml teardown.yml extract.yml verify.yml upgrade.yml
 
-ansible-test: $(STAMP) $(ANSIBLE_STAMP) ## The Ansible tests (real runs against this machine)
-	$(PY) -m pytest -ra tests/test_ansible.py tests/test_ansible_accept.py $(PYTEST_ARGS)
-
-.PHONY: ansible-venv ansible-lint ansible-test
+.PHONY: ansible-venv ansible-lint

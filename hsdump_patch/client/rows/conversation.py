@@ -69,7 +69,7 @@ class Conversation:
 # The think markers of SGLang 0.5.23's reasoning parsers, by --reasoning-parser name: the
 # ``think_start_token`` / ``think_end_token`` of each detector in ``ReasoningParser.DetectorMap``
 # (sglang/srt/parser/reasoning_parser.py; ``response_template`` takes its markers from server
-# arguments and is left out). tests/test_client_dataset.py compares every entry with SGLang's.
+# arguments and is left out). tests/unit/test_client_dataset.py compares every entry with SGLang's.
 _THINK = ("<think>", "</think>")
 REASONING_MARKERS: dict[str, tuple[str, str]] = {
     **dict.fromkeys(

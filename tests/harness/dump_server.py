@@ -1,0 +1,63 @@
+"""Test-only: a real CPU SGLang server with the capture patch on (its dump directory beside
+it), the prefill chunk size the dump servers use, and random token prompts."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.harness import server as srv
+
+# Small chunks so ordinary test prompts are split across several prefill forwards.
+CHUNK = 32
+# The drafter layer ids the DeepSeek server is configured with, through a drafter config for
+# the patch and --return-aux-hidden-state-layer-ids for SGLang's own capture: both must resolve
+# them with DeepSeek's convention (first id 1: every id + 1 -> capture before layers 2, 4, 6).
+DEEPSEEK_DRAFT_IDS = [1, 3, 5]
+
+
+@dataclass
+class DumpServer:
+    """A running server with the capture patch active, and its dump directory."""
+
+    server: srv.Server
+    dump_dir: Path
+    model: Path
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+
+def start_dump_server(tmp: Path, model: Path, name: str, *, args: list[str] = (),
+                      env: dict[str, str] | None = None, tp: int = 1,
+                      dump: bool = True) -> DumpServer:
+    """Start a server for ``model``; with ``dump`` the patch is on, writing under ``tmp``."""
+    dump_dir = tmp / f"dump-{name}"
+    # The final state is on by default; these servers add it only when asked (env).
+    full_env = {"SGLANG_HS_DUMP_DIR": str(dump_dir), "SGLANG_HS_DUMP_FINAL": "0"} if dump else {}
+    full_env.update(env or {})
+    server = srv.start(model, tmp / f"server-{name}.log", args=list(args), env=full_env, tp=tp)
+    return DumpServer(server, dump_dir, model)
+
+
+def eagle3_dump_server(tmp: Path, model: Path, name: str, *, args: list[str] = (),
+                       env: dict[str, str] | None = None) -> Iterator[DumpServer]:
+    """A dump server (final state on, chunked prefill of CHUNK tokens, SGLang's own EAGLE-3
+    aux capture on) for a fixture to yield; stopped after."""
+    s = start_dump_server(
+        tmp, model, name,
+        args=["--chunked-prefill-size", str(CHUNK), "--enable-return-aux-hidden-states",
+              "--speculative-algorithm", "EAGLE3", *args],
+        env={"SGLANG_HS_DUMP_FINAL": "1", **(env or {})},
+    )
+    yield s
+    s.server.stop()
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    """``length`` random token ids (BOS first), the same for the same seed."""
+    rng = random.Random(seed)
+    return [1] + [rng.randrange(10, 1000) for _ in range(length - 1)]

@@ -1,0 +1,48 @@
+"""scripts/bench_forward.py runs on CPU with tiny shapes: every condition is measured in ABBA
+blocks, every dumped value is read back and checked, and the table has every point; "on" is
+the process writer that ships, beside the thread writer.
+
+Not a timed test: CPU timings say nothing about the GPU ordering (issue 17).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_bench_forward_cpu_checks_every_dumped_value(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_forward.py"), "--device", "cpu",
+         "--hidden", "32", "--layers", "4", "--aux-layers", "1,2", "--chunks", "16,40",
+         "--us-per-token", "50", "--requests", "3", "--forwards", "3", "--threads", "2",
+         "--cap", str(1 << 20), "--dump-dir", str(tmp_path / "dump"), "--json", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    header = next(line for line in proc.stdout.splitlines() if line.startswith("| tokens"))
+    for col in ("on/off", "thread/off", "old/off", "paired on/thread", "max host wait"):
+        assert col in header
+    result = json.loads(out.read_text())
+    assert result["errors"] == []
+    rows = result["rows"]
+    assert [r["tokens"] for r in rows] == [16, 40]
+    for r in rows:
+        assert r["samples"] == {"off": 6, "on": 6, "thread": 6, "old": 6}, r
+        assert r["off_ms"] > 0 and r["on_ms"] > 0 and r["old_ms"] > 0, r
+    # Three dumped conditions (on: the process writer that ships; thread; old) x 2 blocks x
+    # (3 + 1 warm-up) forwards x 3 requests, per point; each file holds its rows x 3 states x
+    # 32 values, plus ids and positions.
+    assert all(r["on_mode"] == "process" for r in rows)
+    assert result["verified_files"] == 3 * 2 * 4 * 3 * 2
+    assert result["verified_values"] == 3 * 2 * 4 * (16 + 40) * (3 * 32 + 2)
+    writers = result["writers"]
+    assert writers["process"]["chunks_written"] == 2 * 4 * 3 * 2  # "on" only
+    assert writers["process"]["mode"] == "process" and writers["process"]["internal_errors"] == 0
+    assert sum(w["chunks_written"] for w in writers.values()) == result["verified_files"]
+    assert not any((tmp_path / "dump").iterdir())  # checked files are removed

@@ -1,0 +1,72 @@
+"""The suite's layout (docs/testing.md): every test file in one lane directory, each lane a
+registered marker and a make target, no test importing another test file or a conftest, and
+the check counter (scripts/count_asserts.py) counting what it says."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+LANES = ("unit", "server", "image", "ansible")
+
+
+def imports_of_tests(root: Path) -> list[str]:
+    """Imports, anywhere under ``root``/tests, of a test module or a conftest."""
+    found = []
+    for path in sorted((root / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"{path.relative_to(root)} imports {n}" for n in names
+                      if n.split(".")[0] == "tests"
+                      and re.search(r"\.(test_\w+|conftest)$", n)]
+    return found
+
+
+def test_every_test_file_is_in_a_lane_and_imports_no_other():
+    stray = [p.relative_to(ROOT).as_posix() for p in (ROOT / "tests").rglob("test_*.py")
+             if p.parent.parent != ROOT / "tests" or p.parent.name not in LANES]
+    assert stray == []
+    assert imports_of_tests(ROOT) == []
+
+
+def test_a_test_importing_another_is_found(tmp_path):
+    (tmp_path / "tests" / "server").mkdir(parents=True)
+    (tmp_path / "tests" / "server" / "test_a.py").write_text(
+        "from tests.unit.test_b import helper\nimport tests.conftest\n"
+        "from tests.harness.rows import CONV\nimport tests.harness.needs\n")
+    assert imports_of_tests(tmp_path) == [
+        "tests/server/test_a.py imports tests.unit.test_b",
+        "tests/server/test_a.py imports tests.conftest"]
+
+
+def test_each_lane_is_a_marker_and_a_make_target():
+    conf = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    assert sorted(m.split(":")[0] for m in conf["markers"]) == sorted(LANES)
+    help_text = subprocess.run(["make", "-s", "help"], cwd=ROOT, capture_output=True, text=True,
+                               check=True).stdout
+    targets = {line.split()[0] for line in help_text.splitlines()}
+    assert {f"test-{lane}" for lane in LANES} <= targets
+    # make test runs every lane: each lane directory is named in its recipe.
+    dry = subprocess.run(["make", "-n", "-o", ".venv/.hsdump-installed", "test"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60).stdout
+    assert all(f"tests/{lane}" in dry for lane in LANES), dry
+
+
+def test_the_check_counter_counts_asserts_and_raises():
+    spec = importlib.util.spec_from_file_location("count_asserts",
+                                                  ROOT / "scripts" / "count_asserts.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    source = ("import pytest\ndef test_x():\n    assert 1\n    with pytest.raises(ValueError):\n"
+              "        int('x')\n    assert_helper()\n    raises(ValueError)\n")
+    assert module.count(source) == 2
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "count_asserts.py")], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    assert int(out.split()[0]) >= 1100  # the count at ddc386e, before the lanes
