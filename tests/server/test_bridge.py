@@ -599,7 +599,7 @@ def _serve_with_bridge(tiny_models: Path, tmp_path: Path, mooncake: dict[str, st
     from hsdump_patch.ops.launch import CPU_ARGS, free_port
     from tests.harness.server import cpu_env
 
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     port, bport = free_port(), free_port()
     env = cpu_env()
     env["PYTHONPATH"] = os.pathsep.join([str(repo), env["PYTHONPATH"]])
@@ -735,7 +735,7 @@ def test_the_image_runs_the_bridge_beside_the_server_with_debians_rdma_libraries
             "--segment-size 64GiB") in r.stderr.replace("/usr/bin/python3", "python3"), r.stderr
     tag = image_with_rdma_libs(docker_engine, hsdump_image)
     try:
-        repo = Path(__file__).resolve().parents[1]
+        repo = Path(__file__).resolve().parents[2]
         # Mooncake's transfer engine needs a LAN address besides loopback: the host's network.
         r = docker_engine.run("run", "--rm", "--network", "host", "-v",
                               f"{repo}/tests:/src/tests:ro", "--entrypoint", "python3", tag,
@@ -754,7 +754,7 @@ def test_the_documented_kimi_config_loads_with_specforges_schema(tmp_path: Path)
     specforge_on_path()
     from specforge.config.schema import load_config
 
-    doc = (Path(__file__).resolve().parents[1] / "docs" / "online.md").read_text()
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "online.md").read_text()
     block = doc.split("<!-- kimi-online-config -->\n```yaml\n", 1)[1].split("```", 1)[0]
     (tmp_path / "kimi.yaml").write_text(block)
     cfg = load_config(str(tmp_path / "kimi.yaml"), [])
