@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import itertools
 import os
 import sys
 import time
@@ -407,21 +408,17 @@ def extract(settings: ExtractSettings, dataset: Path, *, shard: Shard | None = N
     report."""
     shard = shard or Shard()
     p = prepared or prepare(settings, **how)
-    client, info, renderer, served = p.client, p.info, p.renderer, p.served
-    tokenizer_path, trust, chat_template_kwargs = (p.tokenizer_path, p.trust_remote_code,
-                                                   p.chat_template_kwargs)
-
     rows, bad_rows = index_shard(dataset, shard)
     settings.out.mkdir(parents=True, exist_ok=True)
     run_id = records.ensure_sidecar(settings.out, records.sidecar(
-        settings.fmt, info, tokenizer=tokenizer_path, max_len=max_len, compress=settings.compress,
-        trust_remote_code=trust, loss_mask=settings.loss_mask,
-        chat_template_kwargs=chat_template_kwargs))
+        settings.fmt, p.info, tokenizer=p.tokenizer_path, max_len=max_len,
+        compress=settings.compress, trust_remote_code=p.trust_remote_code,
+        loss_mask=settings.loss_mask, chat_template_kwargs=p.chat_template_kwargs))
 
     report = ExtractReport(shard=str(shard), fmt=settings.fmt, out=str(settings.out),
                            dataset=str(dataset), server=settings.server)
-    key = render_key(renderer, max_len)
-    run = Extraction(settings, info, client, run_id, key)
+    key = render_key(p.renderer, max_len)
+    run = Extraction(settings, p.info, p.client, run_id, key)
     with Manifest(settings.out, shard) as manifest:
         done = load_done(settings.out)
         remove_stale_temps(settings.out, {records.record_name(r.id, settings.fmt,
@@ -432,17 +429,12 @@ def extract(settings: ExtractSettings, dataset: Path, *, shard: Shard | None = N
         def count_done() -> None:
             report.already_done += 1
 
-        samples = skip_done(iter_samples(dataset, todo, renderer, max_len), done, count_done)
-        run.run(_chain(list(bad_rows), report.watch(samples)), len(bad_rows) + len(todo),
+        samples = skip_done(iter_samples(dataset, todo, p.renderer, max_len), done, count_done)
+        run.run(itertools.chain(bad_rows, report.watch(samples)), len(bad_rows) + len(todo),
                 manifest, report)
         report.leftover_dump_dirs = run.sweep_dump_dir(r.id for r in rows)
-    report.prompts_checked_by_server = served.checked if served is not None else None
+    report.prompts_checked_by_server = p.served.checked if p.served is not None else None
     return report
-
-
-def _chain(first: list[Any], rest: Iterable[Any]) -> Iterable[Any]:
-    yield from first
-    yield from rest
 
 
 # ------------------------------------------------------------------------------ CLI

@@ -49,7 +49,7 @@ class RowRef:
     id: str
     line: int
     offset: int
-    digest: str = ""
+    digest: str
 
     def key(self, render_key: str) -> str:
         """The row's resume key: its bytes under the render settings ``render_key`` (the
