@@ -25,10 +25,20 @@ class DumpServer:
     server: srv.Server
     dump_dir: Path
     model: Path
+    retired: str | None = None  # why the server was stopped early (a session server)
 
     @property
     def url(self) -> str:
+        if self.retired:
+            raise RuntimeError(f"this server was stopped: {self.retired}")
         return self.server.url
+
+    def retire(self, why: str) -> None:
+        """Stop the server; a later use of its URL fails with ``why`` (not a connection
+        error), and so does a request through ``server`` (its URL names the reason)."""
+        self.server.stop()
+        self.retired = why
+        self.server.url = f"stopped://{why.replace(' ', '-')}"
 
 
 def start_dump_server(tmp: Path, model: Path, name: str, *, args: list[str] = (),
@@ -47,12 +57,16 @@ def eagle3_dump_server(tmp: Path, model: Path, name: str, *, args: list[str] = (
                        env: dict[str, str] | None = None) -> Iterator[DumpServer]:
     """A dump server (final state on, chunked prefill of CHUNK tokens, SGLang's own EAGLE-3
     aux capture on) for a fixture to yield; stopped after."""
-    s = start_dump_server(
+    yield from serving(start_dump_server(
         tmp, model, name,
         args=["--chunked-prefill-size", str(CHUNK), "--enable-return-aux-hidden-states",
               "--speculative-algorithm", "EAGLE3", *args],
         env={"SGLANG_HS_DUMP_FINAL": "1", **(env or {})},
-    )
+    ))
+
+
+def serving(s: DumpServer) -> Iterator[DumpServer]:
+    """Yield ``s`` (for a fixture), then stop it."""
     yield s
     s.server.stop()
 

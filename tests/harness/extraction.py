@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
 from pathlib import Path
 
 import torch
 
 from hsdump_patch.cli import main as cli
+
+REPO = Path(__file__).resolve().parents[2]
 
 # ||record - HF|| / ||HF|| per layer: SGLang's CPU kernels and HF's eager bf16 path round
 # differently (measured up to ~4e-3 on the tiny Llama).
@@ -38,3 +41,11 @@ def read_report(out: Path, shard: str = "shard-0-of-1") -> dict:
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+def make_smoke(tmp_path: Path, *variables: str) -> subprocess.CompletedProcess:
+    """``make smoke SMOKE_DIR=tmp_path VARIABLES...`` in the repository."""
+    # -o: the venv stamp counts as fresh (`make test` has just built it; never reinstall here).
+    return subprocess.run(["make", "-o", ".venv/.hsdump-installed", "smoke",
+                           f"SMOKE_DIR={tmp_path}", *variables], cwd=REPO, capture_output=True,
+                          text=True, timeout=900)

@@ -170,12 +170,12 @@ QWEN3_STYLE = [
     (_agent_trace(_q_call, _q_tool), None),
 ]
 
-# server fixture, corpus, SGLang reasoning parser, SGLang tool-call detector, HF reference
+# server fixture: corpus, SGLang reasoning parser, SGLang tool-call detector, HF reference
 SERVED = {
-    "kimi-k25": ("kimi_server", ADVERSARIAL, "kimi_k2", "KimiK2Detector",
-                 lambda request: request.getfixturevalue("tiny_kimi")[1]),
-    "qwen3-style": ("qwen3_style_server", QWEN3_STYLE, "qwen3", "Qwen25Detector",
-                    lambda request: request.getfixturevalue("qwen3_style_server").model),
+    "kimi_server": (ADVERSARIAL, "kimi_k2", "KimiK2Detector",
+                    lambda request: request.getfixturevalue("tiny_kimi")[1]),
+    "qwen3_style_server": (QWEN3_STYLE, "qwen3", "Qwen25Detector",
+                           lambda request: request.getfixturevalue("qwen3_style_server").model),
 }
 
 
@@ -242,8 +242,8 @@ def test_every_trained_turn_follows_the_servers_own_prompt(served, request, tmp_
     from hsdump_patch.cli import main as cli
     from hsdump_patch.reader import iter_records
 
-    fixture, corpus, parser, detector, hf_path = SERVED[served]
-    server = request.getfixturevalue(fixture)
+    corpus, parser, detector, hf_path = SERVED[served]
+    server = request.getfixturevalue(served)
     tok = AutoTokenizer.from_pretrained(server.model, trust_remote_code=True)
     info = protocol.read_server_info(server.dump_dir)
     hf = AutoModelForCausalLM.from_pretrained(hf_path(request), dtype=torch.float32).eval()

@@ -26,7 +26,14 @@ from hsdump_patch.cli import main as cli
 from hsdump_patch.client.dumps.dumpdir import wait_for_marker
 from hsdump_patch.client.output import records
 from tests.harness import server as srv
-from tests.harness.extraction import REL_TOL, extract, pre_tokenized, read_report, rel_err
+from tests.harness.extraction import (
+    REL_TOL,
+    extract,
+    make_smoke,
+    pre_tokenized,
+    read_report,
+    rel_err,
+)
 from tests.harness.rows import CONV, openai_row, reference, sharegpt_row, write_jsonl
 
 pytestmark = pytest.mark.server
@@ -254,9 +261,10 @@ def test_smoke_fails_when_the_dump_dir_is_not_the_servers(tmp_path, llama_server
     assert "no done/error marker" in r.stdout
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def radix_server(tmp_path_factory, tiny_models):
-    """Tiny Llama WITHOUT the capture patch and WITH SGLang's default radix cache."""
+    """Tiny Llama WITHOUT the capture patch and WITH SGLang's default radix cache (one test
+    uses it: stopped right after)."""
     tmp = tmp_path_factory.mktemp("radix")
     radix_on = [a for a in srv.EXTRACTION_ARGS if a != "--disable-radix-cache"]
     server = srv.start(tiny_models / "tiny-llama", tmp / "server.log", extraction_args=radix_on)
@@ -290,26 +298,11 @@ def test_cached_tokens_fail_the_sample(tmp_path, llama_server, radix_server):
     assert "cached_tokens=" in read_report(tmp_path / "out2")["stopped"]
 
 
-def make_smoke(tmp_path: Path, *variables: str) -> subprocess.CompletedProcess:
-    # -o: the venv stamp counts as fresh (`make test` has just built it; never reinstall here).
-    return subprocess.run(["make", "-o", ".venv/.hsdump-installed", "smoke",
-                           f"SMOKE_DIR={tmp_path}", *variables], cwd=REPO, capture_output=True,
-                          text=True, timeout=900)
-
-
 def test_make_smoke_against_a_running_server(tmp_path, llama_server):
     r = make_smoke(tmp_path, f"SERVER={llama_server.url}", f"DUMP_DIR={llama_server.dump_dir}")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "hsdump smoke: PASS" in r.stdout
     assert json.loads((tmp_path / "report.json").read_text())["passed"]
-
-
-def test_make_smoke_on_its_own_starts_and_stops_a_local_server(tmp_path):
-    r = make_smoke(tmp_path)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "hsdump smoke: PASS" in r.stdout and "smoke: server stopped" in r.stdout
-    assert json.loads((tmp_path / "report.json").read_text())["passed"]
-    assert "hsdump: capturing the residual stream" in (tmp_path / "server.log").read_text()
 
 
 CUSTOM_TOKENIZER = '''
