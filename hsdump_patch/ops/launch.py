@@ -21,8 +21,11 @@ import requests
 # How much of a failed server's log an error shows.
 LOG_TAIL_CHARS = 6000
 # What a server on SGLang's CPU engine adds: a KV pool sized for a small machine (the default
-# takes 15 GB), and idle schedulers that do not busy-poll a core each.
-CPU_ARGS = ("--device", "cpu", "--max-total-tokens", "8192", "--sleep-on-idle")
+# takes 15 GB), a request pool to match (the default, 2048 requests x the context length in
+# int32, is 1.3 GB for Kimi-K2.5's 163,840 tokens), and idle schedulers that do not busy-poll
+# a core each.
+CPU_ARGS = ("--device", "cpu", "--max-total-tokens", "8192", "--max-running-requests", "128",
+            "--sleep-on-idle")
 
 
 class ServerFailed(RuntimeError):
