@@ -50,9 +50,9 @@ import torch  # noqa: E402
 from hsdump_patch import protocol  # noqa: E402
 from hsdump_patch.client import extract as ex  # noqa: E402
 from hsdump_patch.client.output import records  # noqa: E402
-from tests.conftest import specforge_on_path  # noqa: E402
 from tests.harness import make_models  # noqa: E402
 from tests.harness import server as srv  # noqa: E402
+from tests.harness.needs import specforge_on_path  # noqa: E402
 from tests.harness.online import local_mooncake, sf_adapter, sf_capture  # noqa: E402
 
 CHUNK = 256

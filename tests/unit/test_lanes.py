@@ -70,3 +70,17 @@ def test_the_check_counter_counts_asserts_and_raises():
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "count_asserts.py")], cwd=ROOT,
                          capture_output=True, text=True, check=True).stdout
     assert int(out.split()[0]) >= 1100  # the count at ddc386e, before the lanes
+
+
+def test_every_script_imports(monkeypatch):
+    """The scripts import what they use from where it now lives (a bench that imports a moved
+    test helper fails here, not on the next person who runs it). Imported as they run: with
+    scripts/ first on the path."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    failed = {}
+    for path in sorted((ROOT / "scripts").glob("*.py")):
+        try:
+            importlib.import_module(path.stem)
+        except Exception as e:
+            failed[path.name] = f"{type(e).__name__}: {e}"
+    assert failed == {}
