@@ -173,9 +173,29 @@ def task_tensors(dump_dir: Path, rid: str, input_ids: list[int], info: protocol.
             raise CaptureFailed("last_hidden wanted but the server does not capture the "
                                 "post-final-norm state (start it with the final state on)")
         out[task.features["last_hidden"]] = builder.final.view(1, length, -1)
+    # The passthroughs share one allocation, so the sink registers it once (:func:`spans`).
+    block = torch.empty(sum(len(p.data) * PASSTHROUGH_DTYPES[p.dtype].itemsize
+                            for p in task.passthrough), dtype=torch.uint8)
+    at = 0
     for p in task.passthrough:
-        out[p.name] = torch.tensor(p.data, dtype=PASSTHROUGH_DTYPES[p.dtype]).view(p.shape)
+        dtype = PASSTHROUGH_DTYPES[p.dtype]
+        t = block[at: at + len(p.data) * dtype.itemsize].view(dtype)
+        t.copy_(torch.tensor(p.data, dtype=dtype))
+        out[p.name] = t.view(p.shape)
+        at += t.nbytes
     return out
+
+
+def spans(tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
+    """The address ranges ``(ptr, nbytes)`` that cover ``tensors`` (contiguous ones), adjacent
+    or overlapping ranges merged: what to register with Mooncake, once each."""
+    out: list[list[int]] = []
+    for ptr, end in sorted((t.data_ptr(), t.data_ptr() + t.nbytes) for t in tensors if t.nbytes):
+        if out and ptr <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([ptr, end])
+    return [(ptr, end - ptr) for ptr, end in out]
 
 
 class MooncakeSink:
@@ -207,44 +227,49 @@ class MooncakeSink:
                                f"metadata {metadata}, protocol {protocol_name}")
         return cls(store, ReplicateConfig())
 
-    def _put(self, key: str, t: torch.Tensor, upsert: bool) -> None:
-        t = t.contiguous()
-        nbytes = t.numel() * t.element_size()
-        ptr = t.data_ptr()
-        self.store.register_buffer(ptr, nbytes)
-        try:
-            put = self.store.upsert_from if upsert else self.store.put_from
-            rc = put(key, ptr, nbytes, self.config)
-        finally:
-            self.store.unregister_buffer(ptr)
-        if rc != 0:
-            raise CaptureFailed(f"Mooncake refused {key} ({nbytes} bytes, status {rc}): is "
-                                "the bridge's segment full (the trainer lagging)?")
-
     def remove(self, keys: list[str]) -> list[str]:
         """Force-remove ``keys``; return the ones that could not be removed."""
         return [k for k in keys if self.store.remove(k, force=True) not in (0, MOONCAKE_NOT_FOUND)]
 
     def publish(self, task: TaskCapture, tensors: dict[str, torch.Tensor]) -> None:
-        """Make every tensor readable under the task's keys, or none of them.
+        """Make every tensor readable under the task's keys, or none of them: one existence
+        check, one batched put, each distinct memory range registered once.
 
         Mooncake's ``put_from`` keeps an existing object's old bytes (and answers 0), so a
         ``replace`` (a retry) upserts; without it an existing key is refused.
         """
-        keys = {name: task.key(name) for name in tensors}
+        keys = [task.key(name) for name in tensors]
         if not task.replace:
-            present = [k for k in keys.values() if self.store.is_exist(k) == 1]
+            present = [k for k, e in zip(keys, self.store.batch_is_exist(keys), strict=True)
+                       if e == 1]
             if present:
                 raise CaptureFailed(f"keys {present} exist and the request does not replace "
                                     "them (a second writer of this sample?)")
-        written: list[str] = []
+        flat = [t.contiguous() for t in tensors.values()]
+        ranges = spans(flat)
+        registered = []
         try:
-            for name, t in tensors.items():
-                self._put(keys[name], t, upsert=task.replace)
-                written.append(keys[name])
-        except BaseException:
-            self.remove(written)
-            raise
+            for ptr, nbytes in ranges:
+                if self.store.register_buffer(ptr, nbytes) != 0:
+                    raise CaptureFailed(f"Mooncake could not register {nbytes} bytes of this "
+                                        "sample's features for the put")
+                registered.append(ptr)
+            put = self.store.batch_upsert_from if task.replace else self.store.batch_put_from
+            try:
+                rcs = put(keys, [t.data_ptr() for t in flat], [t.nbytes for t in flat],
+                          self.config)
+            except BaseException:
+                self.remove(keys)
+                raise
+        finally:
+            for ptr in registered:
+                self.store.unregister_buffer(ptr)
+        refused = {k: rc for k, rc in zip(keys, rcs, strict=True) if rc != 0}
+        if refused:
+            self.remove([k for k in keys if k not in refused])
+            raise CaptureFailed(f"Mooncake refused {refused} (key: status) of {len(keys)} "
+                                f"tensors, {sum(t.nbytes for t in flat)} bytes: is the bridge's "
+                                "segment full (the trainer lagging)?")
 
 
 def capture_result(task: TaskCapture, tensors: dict[str, torch.Tensor],

@@ -30,10 +30,13 @@ from hsdump_patch import protocol
 from hsdump_patch.capture.writer import DumpWriter
 from hsdump_patch.client.bridge import (
     Bridge,
+    CaptureFailed,
     MooncakeSink,
     SGLangEngine,
+    TaskCapture,
     make_server,
     server_layers_for,
+    spans,
 )
 from tests.harness.needs import require, specforge_on_path
 from tests.harness.online import image_with_rdma_libs, local_mooncake, sf_adapter, sf_capture
@@ -307,6 +310,22 @@ def test_over_http_with_specforges_own_client(store, sink, dump_dir: Path,
         server.shutdown()
         thread.join()
     assert _rid_dirs(dump_dir) == []
+
+
+def test_a_put_mooncake_refuses_leaves_none_of_the_tasks_keys(sink) -> None:
+    """One batched put, one key refused (larger than every segment): the keys it did write are
+    removed, the task fails naming the refused key; a replace (upsert) fails the same way.
+    Each distinct memory range is registered once (the passthroughs share one block)."""
+    task = TaskCapture("full", "x", 1, False, {}, ())
+    small = torch.arange(1024, dtype=torch.int64)
+    big = torch.zeros(80 << 20, dtype=torch.uint8)  # the segments hold 64 MiB
+    for t in (task, TaskCapture("full", "x", 1, True, {}, ())):
+        with pytest.raises(CaptureFailed, match="full/x/g1/big"):
+            sink.publish(t, {"small": small, "big": big})
+        assert sink.store.batch_is_exist(["full/x/g1/small", "full/x/g1/big"]) == [0, 0]
+    block, other = torch.arange(16), torch.arange(8)
+    assert spans([block[8:], other, block[:8], block[2:4]]) == sorted(
+        [(block.data_ptr(), 128), (other.data_ptr(), 64)])
 
 
 def test_a_prompt_served_from_cache_fails_naming_the_radix_cache(
