@@ -11,8 +11,7 @@ from pathlib import Path
 import torch
 
 from hsdump_patch.cli import main as cli
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.harness.server import REPO
 
 # ||record - HF|| / ||HF|| per layer: SGLang's CPU kernels and HF's eager bf16 path round
 # differently (measured up to ~4e-3 on the tiny Llama).

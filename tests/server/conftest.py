@@ -50,14 +50,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Order this lane's modules by :data:`SERVER_GROUPS` (a module's tests keep their order;
     other lanes' tests keep their places), then note each session server's last user."""
     places = [i for i, item in enumerate(items) if LANE in item.path.parents]
+    servers = {items[i].nodeid: _servers_of(items[i]) for i in places}
     used: dict[Path, set[str]] = {}
     for i in places:
-        used.setdefault(items[i].path, set()).update(_servers_of(items[i]))
+        used.setdefault(items[i].path, set()).update(servers[items[i].nodeid])
     lane = sorted((items[i] for i in places), key=lambda item: _group(used[item.path]))
     for i, item in zip(places, lane, strict=True):
         items[i] = item
-    for item in items:
-        for name in _servers_of(item):
+        for name in servers[item.nodeid]:  # only this lane's tests use its session servers
             _last_user[name] = item.nodeid
 
 
