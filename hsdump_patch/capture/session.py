@@ -74,15 +74,18 @@ class CaptureNotInstalled(RuntimeError):
 class _ForwardState:
     """What one dumped forward has captured so far (rows packed as ``[T, S, H]``).
 
-    Made in the forward pre-hook, where it takes its capture buffer: the first layers of a
-    prefill forward are host-bound (the device has no queued work yet), so host work at the
-    first captured layer would add to the forward's device time (issue 17)."""
+    Made in the forward pre-hook, before the first layer. There the device is idle (the
+    first layers of a prefill forward are host-bound), so every microsecond of host time
+    here adds to the forward's device time (issue 17): it only takes its capture buffer,
+    without a CUDA call in the usual case (:meth:`CaptureBuffers.acquire`)."""
+
+    __slots__ = ("buf", "buffers", "captured", "dumped_rows", "error", "forward_batch", "rows")
 
     def __init__(self, buffers: CaptureBuffers | None, forward_batch: Any, rows: int) -> None:
         self.buffers = buffers  # None on a non-writer rank: nothing is stored
         self.forward_batch = forward_batch
         self.rows = rows
-        self.buf: torch.Tensor | None = None
+        self.buf: torch.Tensor | None = None  # the whole buffer: this forward's are rows[:rows]
         self.captured: set[int] = set()
         self.error: str | None = None
         self.dumped_rows: frozenset[int] = frozenset()  # batch rows (requests) to hand off
@@ -99,10 +102,20 @@ class _ForwardState:
         try:
             if tensor.shape[0] < self.rows:
                 raise ValueError(f"captured {tensor.shape[0]} rows, the batch has {self.rows}")
-            copy_rows(self.buf[:, slot], tensor[: self.rows])
+            copy_rows(self.buf[: self.rows, slot], tensor[: self.rows])
             self.captured.add(slot)
         except Exception as e:
             self.error = f"capture of slot {slot} failed: {type(e).__name__}: {e}"
+
+    def store_final(self, slot: int, tensor: torch.Tensor) -> None:
+        """:meth:`store` for the final post-norm state, on the writer's copy stream: the
+        forward's own stream does not wait for this copy. Unlike a layer's residual, which
+        later layers update in place, SGLang does not write to the final state after the
+        forward; its memory is kept from reuse until the copy ends (``record_stream``)."""
+        if self.buffers is None:
+            return
+        with self.buffers.writer.on_copy_stream(tensor):
+            self.store(slot, tensor)
 
 
 _WIDE_DTYPES = (torch.complex128, torch.int64, torch.int32)  # 16, 8, 4-byte elements
@@ -186,21 +199,33 @@ class CaptureBuffers:
         return buf
 
     def acquire(self, rows: int) -> torch.Tensor:
-        """The next buffer's first ``rows`` rows, free for writing on the current stream: the
-        stream waits for the copies of the forward that used it last (``count`` forwards ago)."""
+        """The next buffer, whole (the forward's rows are its first ``rows``), free for writing
+        on the current stream. If the copies of the forward that used it last (``count``
+        forwards ago) may still run, the stream waits for them; usually :meth:`handed_off`
+        has already seen them end, and this makes no CUDA call."""
         i = self._current = self._next
-        self._next = (i + 1) % self.count
-        buf = self._ensure(i, rows)
+        self._next = (i + 1) % len(self._bufs)
+        buf = self._bufs[i]
+        if buf is None or buf.shape[0] < rows:
+            buf = self._ensure(i, rows)
         copied = self._copied[i]
         if copied is not None:
-            torch.cuda.current_stream().wait_event(copied)
-        return buf[:rows]
+            self._copied[i] = None
+            if not copied.query():
+                torch.cuda.current_stream().wait_event(copied)
+        return buf
 
     def handed_off(self) -> None:
-        """The forward that acquired a buffer has submitted all its rows to the writer."""
+        """The forward that acquired a buffer has submitted all its rows to the writer.
+
+        Also forgets the next buffer's copy event if its copies have ended: here, after the
+        last layer, the host is far ahead of the device, unlike in the next pre-hook."""
         if self._current is not None:
             self._copied[self._current] = self.writer.copies_event()
             self._current = None
+        copied = self._copied[self._next]
+        if copied is not None and copied.query():
+            self._copied[self._next] = None
 
 
 def _forward_batch_of(args: tuple, kwargs: dict) -> Any:
@@ -426,7 +451,7 @@ class CaptureSession:
         rids, lens = fb.rids, fb.extend_seq_lens_cpu
         if not rids or lens is None or len(rids) != len(lens):
             return False
-        return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+        return not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
     def _before_forward(self, module: Any, args: tuple, kwargs: dict) -> None:
         self.state = None
@@ -489,7 +514,7 @@ class CaptureSession:
         t0 = time.perf_counter()
         if self.config.dump_final:
             final = output[0] if isinstance(output, tuple) else output
-            state.store(self.slots - 1, final)
+            state.store_final(self.slots - 1, final)
         missing = sorted(set(range(self.slots)) - state.captured)
         if state.error is None and missing:
             state.error = (f"capture points did not fire for slots {missing} (layers "
@@ -512,7 +537,7 @@ class CaptureSession:
                     chunks.append(chunk)
             start += n
         # One call for the forward: one stream wait and one event for all its copies.
-        self.writer.submit_forward([(protocol.HIDDEN_KEY, state.buf),
+        self.writer.submit_forward([(protocol.HIDDEN_KEY, state.buf[: state.rows]),
                                     (protocol.INPUT_IDS_KEY, ids),
                                     (protocol.POSITIONS_KEY, positions)], chunks)
         logger.debug("hsdump: handed %d rows to the writer in %.2f ms", state.rows,

@@ -30,6 +30,7 @@ default ``torch.cuda.Event`` spins a core in ``synchronize()`` for as long as th
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -258,6 +259,20 @@ class DumpWriter:
         the caller may overwrite the tensors it submitted; a no-op off CUDA."""
         if self._side_stream is not None:
             torch.cuda.current_stream().wait_stream(self._side_stream)
+
+    @contextlib.contextmanager
+    def on_copy_stream(self, *tensors: torch.Tensor) -> Iterator[None]:
+        """Run the enclosed device work on the copy stream, after the current stream's work
+        so far and before the copies of the next submit; the memory of ``tensors`` (which it
+        reads) is not reused before it ends. Off CUDA: in place."""
+        if self._side_stream is None:
+            yield
+            return
+        self._side_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._side_stream):
+            yield
+        for t in tensors:
+            t.record_stream(self._side_stream)
 
     def copies_event(self) -> torch.cuda.Event | None:
         """An event recorded after every copy enqueued so far (None off CUDA): a stream that

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 from hsdump_patch import protocol
 from hsdump_patch.capture import writer as writer_module
-from hsdump_patch.capture.session import copy_rows
+from hsdump_patch.capture.session import CaptureBuffers, copy_rows
 from hsdump_patch.capture.writer import MODES, Chunk, DumpWriter
 
 SLOTS, HIDDEN = 4, 64
@@ -108,6 +108,47 @@ def test_copy_rows_packs_a_slot_exactly() -> None:
         copy_rows(buf[:33, 2], src)
         assert torch.equal(buf[:33, 2], src)
         assert not buf[:33, [0, 1, 3]].any() and not buf[33:].any()
+
+
+class _Copies:
+    """A stand-in for a writer's copy event: ``query()`` says whether the copies ended."""
+
+    def __init__(self) -> None:
+        self.ended = False
+        self.queries = 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.ended
+
+
+def test_capture_buffers_take_a_buffer_without_a_cuda_call_once_its_copies_ended() -> None:
+    """Buffers are used in turn; the hand-off forgets the next buffer's copy event once those
+    copies have ended, so the pre-hook's acquire makes no CUDA call for it (on this CPU-only
+    test a stream wait would fail)."""
+    events: list[_Copies] = []
+
+    class Writer:
+        def copies_event(self) -> _Copies:
+            events.append(_Copies())
+            return events[-1]
+
+    buffers = CaptureBuffers(Writer(), SLOTS, HIDDEN, torch.bfloat16, CPU)  # type: ignore[arg-type]
+    buffers.reserve(8)
+    first = buffers.acquire(8)
+    buffers.handed_off()  # forward 0's copies (events[0]) still run
+    second = buffers.acquire(5)
+    assert second.data_ptr() != first.data_ptr() and second.shape == (8, SLOTS, HIDDEN)
+    events[0].ended = True
+    buffers.handed_off()  # looks at buffer 0's copies: ended, forgotten
+    assert events[0].queries == 1
+    assert buffers.acquire(8).data_ptr() == first.data_ptr()  # no query, no wait
+    assert events[0].queries == 1
+    buffers.handed_off()  # buffer 1's copies (events[1]) have not ended: kept
+    assert events[1].queries == 1
+    events[1].ended = True
+    assert buffers.acquire(8).data_ptr() == second.data_ptr()  # asked again: ended, no wait
+    assert events[1].queries == 2
 
 
 def test_chunks_are_safetensors_with_exact_bytes_and_private_modes(dump_dir: Path,
