@@ -20,15 +20,15 @@ Four conditions in one run, in ABBA order (``off, on, thread, old, old, thread, 
 round): ``off`` (no capture), ``on`` (what ships: two buffers used in turn, and the default
 writer mode, the writer process), the other writer mode (``thread``: the writer's threads in
 this process) and ``old`` (one buffer and threads, the ordering before issue 17: each forward
-waits for all of the previous forward's copies). Each
-block is ``--warmup`` untimed forwards then ``--forwards`` timed ones (default 1 + 1: the
-conditions alternate forward by forward, and each timed forward follows one of its own
-condition). Each timed forward's wall time is one sample; the table gives medians, the
-ratios to ``off`` (also paired forward by forward), the stream stall for earlier copies, the
-host time blocked on the in-flight cap and the host time of the hand-off per forward. Every
-dumped value (hidden states, ids, positions) is read back from the files and checked against
-what the forward produced; a failed check exits 1. ``--diagnose`` and ``--profile`` add a
-breakdown (see their help).
+waits for all of the previous forward's copies). Each block is ``--warmup`` untimed
+forwards then ``--forwards`` timed ones (default 1 + 1: the conditions alternate forward by
+forward, and each timed forward follows one of its own condition), after the previous block's
+checks and ``--gap`` seconds of idle device. Each timed forward's wall time is one sample; the
+table gives medians, the ratios to ``off`` (also paired forward by forward), the stream stall
+for earlier copies, the host time blocked on the in-flight cap and the host time of the
+hand-off per forward. Every dumped value (hidden states, ids, positions) is read back from
+the files and checked against what the forward produced; a failed check exits 1.
+``--diagnose`` and ``--profile`` add a breakdown (see their help).
 
     python scripts/bench_forward.py                  # cuda: Kimi-K2.5 shapes into /dev/shm
     python scripts/bench_forward.py --device cpu     # tiny shapes, a smoke test anywhere
@@ -57,7 +57,6 @@ from safetensors.torch import load_file
 
 from hsdump_patch import protocol
 from hsdump_patch.capture import config
-from hsdump_patch.capture import files as files_module
 from hsdump_patch.capture.session import (
     CAPTURE_BUFFERS,
     CaptureBuffers,
@@ -79,19 +78,20 @@ CONDITIONS = ("off", "on", ALT, "old")
 # finish, so nothing of the dump overlaps the next forward; gil / mem: no dump, but at each
 # forward's start 8 threads make the Python calls of the writer threads (~15 syscalls each,
 # GIL held between them) / copy a file's bytes in host memory (GIL released): which of the
-# two slows the forward; prev: "thread" with the writer's and the session's system calls and
-# buffer acquisition as before 2026-12-02 05:00 UTC (4 pages per pwritev, mkdir + stat per
-# request, markers through a file object, the buffer taken at the first captured layer).
-DIAGNOSTIC = ("pack", "nod2h", "nowrite", "onsync", "onflush", "gil", "mem", "prev")
+# two slows the forward; d2h: no dump, but at each forward's start one forward's bytes are
+# copied to pinned host memory on a side stream, as the previous forward's copies are; prev:
+# "on" with the capture as before 2026-12-02 19:00 UTC (PrevBuffers: a stream wait and a
+# slice in every pre-hook; the final state packed on the forward's stream).
+DIAGNOSTIC = ("pack", "nod2h", "nowrite", "onsync", "onflush", "gil", "mem", "d2h", "prev")
 GOAL = 1.01
 
 # Per-device defaults: Kimi-K2.5 shapes on a GPU (61 layers, EAGLE-3 layers 2, 30, 58 plus the
 # final state, hidden 7168, bf16), tiny ones on CPU (the unit test).
 DEFAULTS = {
     "cuda": {"hidden": 7168, "layers": 61, "aux": "2,30,58", "chunks": "2048,8192,16384",
-             "us": "5,10,20,40", "requests": 8, "forwards": 1, "rounds": 5},
+             "us": "5,10,20,40", "requests": 8, "forwards": 1, "rounds": 5, "gap": 0.1},
     "cpu": {"hidden": 64, "layers": 6, "aux": "1,3", "chunks": "32,64", "us": "100",
-            "requests": 3, "forwards": 3, "rounds": 1},
+            "requests": 3, "forwards": 3, "rounds": 1, "gap": 0.0},
 }
 # Layers at which --diagnose records the host's enqueue time and the device's start time.
 TIMELINE = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)
@@ -100,7 +100,8 @@ TIMELINE = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)
 class Model:
     """A synthetic forward of ``tokens`` tokens: per layer ``x = (x @ w1) @ w2``; at each
     captured layer the residual ``x`` is overwritten with a known pattern (so the dump can be
-    checked exactly), as is the final state."""
+    checked exactly), as is the final state (a fresh tensor per forward, as SGLang's final
+    norm returns)."""
 
     def __init__(self, tokens: int, hidden: int, layers: int, inner: int,
                  device: torch.device) -> None:
@@ -111,7 +112,6 @@ class Model:
         self.w2 = (torch.randn(inner, hidden, generator=g) * scale).to(device, torch.bfloat16)
         self.x = torch.zeros(tokens, hidden, dtype=torch.bfloat16, device=device)
         self.h = torch.empty(tokens, inner, dtype=torch.bfloat16, device=device)
-        self.final = torch.empty_like(self.x)
         self._t = torch.arange(tokens, device=device)
         self._col = (torch.arange(hidden, device=device) % 101).to(torch.bfloat16)
         self.ids = torch.empty(tokens, dtype=torch.int32, device=device)
@@ -141,22 +141,35 @@ def expected_hidden(rows: range, slots: int, hidden: int, forward: int,
     return row[:, :, None].float() + col[None, None, :]
 
 
-def _prev_write_json_atomic(path: Path, payload: dict, **_: object) -> None:
-    """``protocol.write_json_atomic`` before 2026-12-02 (for the ``prev`` condition)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, protocol.FILE_MODE)
-    with os.fdopen(fd, "w") as f:
-        json.dump(payload, f, sort_keys=True)
-    os.replace(tmp, path)
+class PrevBuffers(CaptureBuffers):
+    """:class:`CaptureBuffers` as before 2026-12-02 19:00 UTC (the ``prev`` condition): every
+    pre-hook makes the stream wait for the buffer's last copies, ended or not, and slices the
+    buffer; the hand-off does not look at the next buffer's copies."""
+
+    def acquire(self, rows: int) -> torch.Tensor:
+        i = self._current = self._next
+        self._next = (i + 1) % self.count
+        buf = self._ensure(i, rows)
+        copied = self._copied[i]
+        if copied is not None:
+            torch.cuda.current_stream().wait_event(copied)
+        return buf[:rows]
+
+    def handed_off(self) -> None:
+        if self._current is not None:
+            self._copied[self._current] = self.writer.copies_event()
+            self._current = None
 
 
 class Noise:
     """Threads that, at each forward's start (``trigger``), load the forward thread the way
     the writer threads do, without a dump: ``gil``: the Python calls of writing one file each
     (~15 syscalls, the GIL taken back after each); ``mem``: copy one file's bytes into fresh
-    host memory each (numpy releases the GIL: only cores and memory bandwidth are shared)."""
+    host memory each (numpy releases the GIL: only cores and memory bandwidth are shared).
+    ``d2h`` (cuda only, no thread): copy ``d2h_bytes`` (one forward's dump) from the device
+    into pinned host memory on a side stream, as the previous forward's copies do."""
 
-    def __init__(self, threads: int, nbytes: int, where: Path) -> None:
+    def __init__(self, threads: int, nbytes: int, where: Path, d2h_bytes: int = 0) -> None:
         self.kind, self.where, self.nbytes = "", where, nbytes
         self.src = np.ones(nbytes, np.uint8)
         self.go = [threading.Semaphore(0) for _ in range(threads)]
@@ -164,14 +177,28 @@ class Noise:
         self.pending = 0
         for i in range(threads):
             threading.Thread(target=self._run, args=(i,), daemon=True).start()
+        self.d2h: tuple[torch.cuda.Stream, torch.Tensor, torch.Tensor] | None = None
+        if d2h_bytes:
+            self.d2h = (torch.cuda.Stream(), torch.empty(d2h_bytes, dtype=torch.uint8,
+                                                         device="cuda"),
+                        torch.empty(d2h_bytes, dtype=torch.uint8, pin_memory=True))
 
     def trigger(self, kind: str) -> None:
+        if kind == "d2h":
+            if self.d2h is not None:
+                stream, src, dst = self.d2h
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    dst.copy_(src, non_blocking=True)
+            return
         self.kind = kind
         self.pending += len(self.go)
         for g in self.go:
             g.release()
 
     def settle(self) -> None:
+        if self.d2h is not None:
+            self.d2h[0].synchronize()
         while self.pending:
             self.done.acquire()
             self.pending -= 1
@@ -245,7 +272,7 @@ class Bench:
         f = self.forward_no = self.forward_no + 1
         ev = (lambda: torch.cuda.Event(enable_timing=True)) if self.cuda else None
         marks: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        timeline = self.args.diagnose and ev is not None
+        timeline = bool(self.args.diagnose) and ev is not None
         at: list[tuple[float, torch.cuda.Event]] = []
         writer = buffers.writer if buffers is not None else self.writer
         wait0 = writer.stats.forward_wait_s
@@ -255,14 +282,11 @@ class Bench:
             start.record()
         if noise:
             self.noise.trigger(noise)
-        # The pre-hook: the state takes its buffer before the first layer ("prev": at the
-        # first captured layer, as before).
-        late = tag == "prev"
+        # The pre-hook: the state takes its buffer before the first layer.
         pre = (ev(), ev()) if ev else None
         if pre is not None:
             pre[0].record()
-        state = (_ForwardState(buffers, None, model.tokens)
-                 if buffers is not None and not late else None)
+        state = _ForwardState(buffers, None, model.tokens) if buffers is not None else None
         if pre is not None:
             pre[1].record()
         model.embed(f)
@@ -278,21 +302,19 @@ class Bench:
                 a, b = (ev(), ev()) if ev else (None, None)
                 if a is not None:
                     a.record()
-                if late and state is None:
-                    state = _ForwardState(buffers, None, model.tokens)
                 if state is not None:
                     state.store(slot, model.x)
                 if a is not None and b is not None:
                     b.record()
                     marks.append((a, b))
             model.layer()
-        model.fill(model.final, f, self.slots - 1)  # the final norm's output
+        final = model.fill(torch.empty_like(model.x), f, self.slots - 1)  # final norm output
         t1 = time.perf_counter()
         if state is not None and tag == "pack":
-            state.store(self.slots - 1, model.final)
+            state.store_final(self.slots - 1, final)
             state.buffers.handed_off()
         elif state is not None:
-            self.hand_off(state, model, f, tag)
+            self.hand_off(state, model, final, f, tag)
         handoff = (time.perf_counter() - t1) * 1e3
         end = ev() if ev else None
         if end is not None:
@@ -302,7 +324,7 @@ class Bench:
         gpu = start.elapsed_time(end) if start is not None and end is not None else wall
         # The stall: the stream time of the pre-hook (where the buffer is taken and the stream
         # waits for the copies of the forward that used it last) plus how much longer the
-        # first store took than a later one ("prev" takes the buffer there).
+        # first store took than a later one.
         stall = 0.0
         if pre is not None:
             stall = pre[0].elapsed_time(pre[1])
@@ -317,12 +339,16 @@ class Bench:
             sample.dev_at = [start.elapsed_time(e) for _, e in at]
         return sample, f
 
-    def hand_off(self, state: _ForwardState, model: Model, f: int, tag: str) -> None:
+    def hand_off(self, state: _ForwardState, model: Model, final: torch.Tensor, f: int,
+                 tag: str) -> None:
         """What ``CaptureSession._hand_off`` does, for one request per row range."""
         assert state.buffers is not None
         writer = state.buffers.writer
         try:
-            state.store(self.slots - 1, model.final)
+            if tag == "prev":  # as before 2026-12-02 19:00 UTC: on the forward's stream
+                state.store(self.slots - 1, final)
+            else:
+                state.store_final(self.slots - 1, final)
             if state.error is not None or len(state.captured) != self.slots:
                 raise RuntimeError(state.error or f"captured slots {sorted(state.captured)}")
             assert state.buf is not None
@@ -337,9 +363,9 @@ class Bench:
                     model="bench_forward", tp_size=1, sglang_version="0.5.23",
                     hsdump_version="bench")
                 chunks.append(Chunk(meta, a, b, b - a))
-            writer.submit_forward([(protocol.HIDDEN_KEY, state.buf),
-                                        (protocol.INPUT_IDS_KEY, ids),
-                                        (protocol.POSITIONS_KEY, positions)], chunks)
+            writer.submit_forward([(protocol.HIDDEN_KEY, state.buf[: state.rows]),
+                                   (protocol.INPUT_IDS_KEY, ids),
+                                   (protocol.POSITIONS_KEY, positions)], chunks)
         finally:
             state.buffers.handed_off()
 
@@ -402,13 +428,6 @@ class Bench:
         """For a diagnostic condition: the writer stages no copy (nod2h) and writes no file
         (nod2h, nowrite); it still waits for the copies and writes the markers."""
         w = self.writers["thread"]  # the diagnostic conditions take the thread writer apart
-        undo: list[tuple[object, str, object]] = []
-        if cond == "prev":
-            for obj, name, value in ((files_module, "_PAGES_PER_WRITE", 4),
-                                     (w._files, "_umask_owner_ok", False),
-                                     (protocol, "write_json_atomic", _prev_write_json_atomic)):
-                undo.append((obj, name, getattr(obj, name)))
-                setattr(obj, name, value)
         if cond in ("nod2h", "nowrite"):
             w._files._write_file = (lambda job: job.ready.synchronize()
                                     if job.ready is not None else None)
@@ -419,8 +438,6 @@ class Bench:
         finally:
             w._files.__dict__.pop("_write_file", None)
             w.__dict__.pop("_stage", None)
-            for obj, name, value in undo:
-                setattr(obj, name, value)
 
     def drain(self) -> bool:
         """Wait until both writers have written everything (an error after 600 s)."""
@@ -459,6 +476,24 @@ class Bench:
         assert torch.equal(buf[:, 1], src)
         return out
 
+    def hook_micro(self, tokens: int) -> dict[str, float]:
+        """Host us of the pre-hook's ``_ForwardState`` as shipped and as before (``prev``),
+        the buffer's last copies ended (median of 200)."""
+        out = {}
+        for name, cls in (("on", CaptureBuffers), ("prev", PrevBuffers)):
+            buffers = cls(self.writer, self.slots, self.args.hidden, torch.bfloat16,
+                          self.device)
+            buffers.reserve(tokens)
+            times = []
+            for _ in range(200):
+                t = time.perf_counter()
+                _ForwardState(buffers, None, tokens)
+                times.append(time.perf_counter() - t)
+                buffers.handed_off()
+                torch.cuda.synchronize()
+            out[name] = round(statistics.median(times) * 1e6, 1)
+        return out
+
     def profile(self, model: Model, buffers: CaptureBuffers) -> None:
         """Print the device time per kernel of 3 forwards with the dump on, then off."""
         from torch.profiler import ProfilerActivity
@@ -487,19 +522,21 @@ class Bench:
         """Measure one point: per ABBA round, each condition runs one block of ``--warmup``
         untimed forwards then ``--forwards`` timed ones (so every timed forward follows one of
         its own condition, as in steady state), from an idle writer (drained and checked
-        between blocks, untimed). With one timed forward per block the conditions alternate
-        forward by forward, so the drift of the machine cancels to well under 1%."""
+        between blocks, untimed, then ``--gap`` seconds of idle device, so that no block starts
+        right after another's forwards). With one timed forward per block the conditions
+        alternate forward by forward, so the drift of the machine cancels to well under 1%."""
         model, inner = self.calibrate(tokens, us)
         p = Point(tokens, us, inner)
-        conds = CONDITIONS + (DIAGNOSTIC if self.args.diagnose else ())
+        conds = CONDITIONS + tuple(self.args.diagnose)
         abba = conds + conds[::-1]
         p.samples = {c: [] for c in conds}
         if self.args.diagnose:
             if self.cuda:
-                print(f"## packing copy us, {tokens} tokens: {self.pack_micro(tokens)}",
-                      flush=True)
+                print(f"## packing copy us, {tokens} tokens: {self.pack_micro(tokens)}; "
+                      f"pre-hook host us: {self.hook_micro(tokens)}", flush=True)
             per_file = tokens // len(self.bounds(tokens)) * self.slots * model.hidden * 2
-            self.noise = Noise(self.args.threads, per_file, self.args.dump_dir)
+            d2h = per_file * len(self.bounds(tokens)) if self.cuda and "d2h" in conds else 0
+            self.noise = Noise(self.args.threads, per_file, self.args.dump_dir, d2h)
         buffers = {"on": CaptureBuffers(self.writer, self.slots, model.hidden, torch.bfloat16,
                                         self.device, CAPTURE_BUFFERS),
                    ALT: CaptureBuffers(self.alt_writer, self.slots, model.hidden,
@@ -507,14 +544,16 @@ class Bench:
                    "old": CaptureBuffers(self.writers["thread"], self.slots, model.hidden,
                                          torch.bfloat16, self.device, 1)}
         buffers.setdefault("thread", buffers["on"])  # the diagnostic conditions' writer
+        if "prev" in self.args.diagnose:
+            buffers["prev"] = PrevBuffers(self.writer, self.slots, model.hidden,
+                                          torch.bfloat16, self.device, CAPTURE_BUFFERS)
         for b in buffers.values():
             b.reserve(tokens)
-        dumping = ("pack", "nod2h", "nowrite", "onsync", "onflush", "prev")
+        dumping = ("pack", "nod2h", "nowrite", "onsync", "onflush")  # "thread"'s buffers
         for _ in range(self.args.rounds):
             for cond in abba:
-                buf = buffers[cond] if cond in ("on", "old", ALT) else (
-                    buffers["thread"] if cond in dumping else None)
-                noise = cond if cond in ("gil", "mem") else ""
+                buf = buffers.get(cond, buffers["thread"] if cond in dumping else None)
+                noise = cond if cond in ("gil", "mem", "d2h") else ""
                 dumped = []
                 with self.leaving_out(cond):
                     for k in range(self.args.warmup + self.args.forwards):
@@ -526,12 +565,13 @@ class Bench:
                         self.after(cond)
                 if self.noise is not None:
                     self.noise.settle()
-                if cond in DIAGNOSTIC:
+                if cond in DIAGNOSTIC and cond != "prev":
                     self.discard(model, dumped)
                 else:
                     self.verify(model, dumped)  # also drains the writer before the next block
                 if buf is not None and self.cuda:
                     buf.writer._side_stream.synchronize()
+                time.sleep(self.args.gap)
         if self.args.profile and self.cuda:
             self.profile(model, buffers["on"])
         del model, buffers
@@ -564,6 +604,7 @@ def table(points: list[Point]) -> list[dict]:
             "gpu_old_ms": round(p.median("old", "gpu_ms"), 2),
             "handoff_on_ms": round(p.median("on", "handoff_ms"), 3),
             "stall_on_ms": round(p.median("on", "stall_ms"), 3),
+            "stall_off_ms": round(p.median("off", "stall_ms"), 3),
             "stall_old_ms": round(p.median("old", "stall_ms"), 3),
             "host_wait_on_ms": round(max(s.host_wait_ms for s in p.samples["on"]), 3),
             "enqueue_on_ms": round(p.median("on", "enqueue_ms"), 3),
@@ -573,14 +614,18 @@ def table(points: list[Point]) -> list[dict]:
             # mirrored places: their ratios, paired, show the spread the medians stand on.
             "on_vs_off_paired": _paired(p, "on"),
             "old_vs_off_paired": _paired(p, "old"),
+            "wall_ms_all": {c: [round(s.wall_ms, 3) for s in p.samples[c]] for c in p.samples},
         })
         for c in p.samples:
             if c not in CONDITIONS:
                 rows[-1][f"diag_{c}"] = {
                     "ms": round(p.median(c), 2), "vs_off": round(p.median(c) / off, 4),
+                    "paired_vs_off": _paired(p, c), "stall_ms": round(p.median(c, "stall_ms"), 3),
                     "gpu_ms": round(p.median(c, "gpu_ms"), 2),
                     "handoff_ms": round(p.median(c, "handoff_ms"), 3),
                     "enqueue_ms": round(p.median(c, "enqueue_ms"), 3)}
+        if "prev" in p.samples:
+            rows[-1]["on_vs_prev_paired"] = _paired(p, "on", "prev")
         timeline = {c: {"host_ms": _medians(p.samples[c], "host_at"),
                         "device_ms": _medians(p.samples[c], "dev_at")}
                     for c in p.samples if p.samples[c] and p.samples[c][0].host_at}
@@ -647,6 +692,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              f"{DEFAULTS['cpu'][key]} on cpu)")
     ap.add_argument("--warmup", type=int, default=1,
                     help="untimed forwards at the start of each block (default: 1)")
+    ap.add_argument("--gap", type=float, default=None,
+                    help="seconds the device idles after each block's checks, so that every "
+                         "block starts from the same idle time: a forward right after another "
+                         "block ran up to 10%% slower than one after a block's checks "
+                         f"(default: {DEFAULTS['cuda']['gap']} on cuda, "
+                         f"{DEFAULTS['cpu']['gap']} on cpu)")
     ap.add_argument("--threads", type=int, default=config.DEFAULT_WRITER_THREADS,
                     help=f"writer threads (default: {config.DEFAULT_WRITER_THREADS})")
     ap.add_argument("--cap", type=int, default=config.DEFAULT_MAX_INFLIGHT,
@@ -658,11 +709,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "exists, else the temp dir; removed afterwards)")
     ap.add_argument("--json", type=Path, default=None, help="write the results here "
                     "(default: none)")
-    ap.add_argument("--diagnose", action="store_true",
+    ap.add_argument("--diagnose", nargs="?", const=",".join(DIAGNOSTIC), default="",
+                    metavar="CONDS",
                     help="also measure conditions that each leave out or add one part of the "
-                         f"dump ({', '.join(DIAGNOSTIC)}; see the source), record the host's "
-                         "enqueue time and the device's time at a few layers of every forward "
-                         "and time the packing copy alone (default: off)")
+                         f"dump (CONDS, comma-separated; without it all: {', '.join(DIAGNOSTIC)}; "
+                         "see the source), record the host's enqueue time and the device's "
+                         "time at a few layers of every forward and time the packing copy and "
+                         "the pre-hook alone (default: off)")
     ap.add_argument("--profile", action="store_true",
                     help="print torch.profiler's device time per kernel for 3 forwards on "
                          "and off at each point (default: off)")
@@ -672,9 +725,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     d = DEFAULTS[args.device]
     for name, key in (("hidden", "hidden"), ("layers", "layers"), ("requests", "requests"),
                       ("forwards", "forwards"), ("rounds", "rounds"), ("aux_layers", "aux"),
-                      ("chunks", "chunks"), ("us_per_token", "us")):
+                      ("chunks", "chunks"), ("us_per_token", "us"), ("gap", "gap")):
         if getattr(args, name) is None:
             setattr(args, name, d[key])
+    args.diagnose = [c for c in args.diagnose.split(",") if c]
+    unknown = sorted(set(args.diagnose) - set(DIAGNOSTIC))
+    if unknown:
+        ap.error(f"--diagnose: unknown conditions {unknown}")
     if args.warmup < 0:
         ap.error("--warmup must be >= 0")
     if 2 * args.rounds * args.forwards < 5:
