@@ -11,8 +11,8 @@ mooncake_store.py``, ``MooncakeFeatureStore._tkey``), or ``{"error": reason}``.
 :class:`Bridge` does that with an hsdump-enabled server: one prefill-only ``/generate`` under
 dump rids, the chunks read back through the file protocol (every check of
 :func:`~hsdump_patch.client.dumps.dumpdir.read_request`), the aux layers concatenated in ascending
-order, the tensors put into Mooncake, the dump directories removed. Client side: it depends on
-the file protocol only, never on SGLang.
+order, the tensors put into Mooncake, the answer sent while the dump directories are removed behind
+it. Client side: it depends on the file protocol only, never on SGLang.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ import torch
 from hsdump_patch import protocol
 from hsdump_patch.client.buffers import BufferPool, torch_dtype
 from hsdump_patch.client.dumps.dumpdir import (
+    Remover,
     read_request,
-    remove_request,
     wait_for_marker,
     wait_until_settled,
 )
@@ -53,6 +53,7 @@ from hsdump_patch.client.server.api import check_meta
 ARTIFACTS = ("aux", "last_hidden")
 PASSTHROUGH_DTYPES = {"int64": torch.int64, "int32": torch.int32}
 SETTLE_QUIET_S = 1.0  # a failed row's dump directory is final after this long unchanged
+PENDING_REMOVALS = 16  # request directories left to remove before an answer waits for them
 MOONCAKE_NOT_FOUND = -704  # Mooncake's OBJECT_NOT_FOUND, what remove() of an absent key returns
 
 # ``engine(input_ids, rids, extra_key) -> rows``: runs the prefills, one /generate row per prompt.
@@ -327,7 +328,9 @@ class Bridge:
         """At most ``workers`` tasks are read and published at once, whatever the number of
         requests: host memory for features in flight is ``workers`` x (largest sample + one
         chunk), buffers reused up to ``max_inflight_bytes``; further requests wait (their
-        HTTP answer too: the producer slows down)."""
+        HTTP answer too: the producer slows down). The request's dump directories are removed
+        after its answer, on a thread of their own (at most ``PENDING_REMOVALS`` waiting, or the
+        answers wait too); :meth:`close` removes what is left."""
         self.dump_dir = Path(dump_dir)
         self.info = protocol.read_server_info(self.dump_dir)
         torch_dtype(self.info.dtype)  # a dtype the client cannot read fails here, not per task
@@ -338,7 +341,13 @@ class Bridge:
         self._slots = threading.BoundedSemaphore(workers)
         self._record_bufs = BufferPool(max_inflight_bytes)
         self._chunk_bufs = BufferPool(max_inflight_bytes)
+        self.remover = Remover(self.dump_dir, PENDING_REMOVALS)
         self.stats = BridgeStats()
+
+    def close(self) -> None:
+        """Remove the dump directories still waiting; requests answered later remove their own
+        before answering."""
+        self.remover.close()
 
     def _rid(self) -> str:
         return f"{self.info.rid_prefix}bridge-{uuid.uuid4().hex}"
@@ -367,7 +376,7 @@ class Bridge:
             return rows
         finally:
             for rid in rids:
-                remove_request(self.dump_dir, rid)
+                self.remover.put(rid)
 
     def _capture_one(self, task: TaskCapture, rid: str, prompt: list[int],
                      meta: dict[str, Any]) -> dict[str, Any]:
@@ -639,6 +648,7 @@ def main(args: argparse.Namespace) -> int:
     http.shutdown()
     thread.join()
     http.server_close()
+    bridge.close()
     sink.store.close()
     print(f"hsdump bridge: stopped: {bridge.stats.line()}", flush=True)
     return 0

@@ -174,8 +174,16 @@ def _assert_readable(store, engine: DumpEngine, task, ref) -> None:
     store.release(handle)
 
 
-def _rid_dirs(dump_dir: Path) -> list[Path]:
-    return [p for p in dump_dir.iterdir() if p.is_dir()]
+def _bridge_dirs(dump_dir: Path) -> list[str]:
+    """The bridge's request directories left in a dump dir (other clients' are not)."""
+    return [p.name for p in dump_dir.iterdir() if p.is_dir() and "bridge-" in p.name]
+
+
+def assert_removed(bridge: Bridge) -> None:
+    """None of the bridge's dump directories is left once its pending removals are done (they
+    run behind the answers; a bounded wait)."""
+    assert bridge.remover.wait_idle(60), f"{bridge.remover.pending} removals pending after 60 s"
+    assert _bridge_dirs(bridge.dump_dir) == []
 
 
 def test_a_batch_of_chunked_prompts_reads_back_through_specforges_store(
@@ -191,7 +199,7 @@ def test_a_batch_of_chunked_prompts_reads_back_through_specforges_store(
         assert ref.feature_specs["hidden_state"].shape == (1, len(task.payload["input_ids"]),
                                                            3 * HIDDEN)
         _assert_readable(store, engine, task, ref)
-    assert _rid_dirs(dump_dir) == []
+    assert_removed(bridge)
 
 
 def test_a_retry_after_a_lost_response_leaves_only_the_retrys_values(
@@ -210,7 +218,7 @@ def test_a_retry_after_a_lost_response_leaves_only_the_retrys_values(
     assert not torch.equal(first[tuple(tasks[0].payload["input_ids"])],
                            engine.written[tuple(tasks[0].payload["input_ids"])])
     _assert_readable(store, engine, tasks[0], ref)
-    assert _rid_dirs(dump_dir) == []
+    assert_removed(bridge)
 
 
 def test_a_failed_dump_answers_specforges_failure_and_its_neighbours_succeed(
@@ -228,7 +236,7 @@ def test_a_failed_dump_answers_specforges_failure_and_its_neighbours_succeed(
     assert sink.store.is_exist(f"{store.store_id}/run:task21/g1/target") == 0
     for i in (0, 2):
         _assert_readable(store, engine, tasks[i], refs[i])
-    assert _rid_dirs(dump_dir) == []
+    assert_removed(bridge)
 
 
 def test_layers_other_than_the_trainers_are_refused_naming_both(
@@ -242,7 +250,7 @@ def test_layers_other_than_the_trainers_are_refused_naming_both(
                                                    capture=_capture((2, 3, 5)))
     assert isinstance(fail, ServerCaptureFailure) and not fail.retryable
     assert "(1, 3, 5) != requested (2, 3, 5)" in fail.reason, fail.reason
-    assert _rid_dirs(dump_dir) == []
+    assert_removed(bridge)
 
 
 def test_concurrent_requests_each_read_back_their_own_features(
@@ -258,7 +266,7 @@ def test_concurrent_requests_each_read_back_their_own_features(
     for tasks, refs in zip(batches, results, strict=True):
         for task, ref in zip(tasks, refs, strict=True):
             _assert_readable(store, engine, task, ref)
-    assert _rid_dirs(dump_dir) == []
+    assert_removed(bridge)
 
 
 def test_a_first_attempt_never_overwrites_existing_keys(
@@ -276,7 +284,7 @@ def test_a_first_attempt_never_overwrites_existing_keys(
     assert isinstance(fail, ServerCaptureFailure) and "exist" in fail.reason, fail
     engine.written = kept
     _assert_readable(store, engine, tasks[0], ref)
-    assert _rid_dirs(dump_dir) == []
+    assert_removed(bridge)
 
 
 def test_over_http_with_specforges_own_client(store, sink, dump_dir: Path,
@@ -289,7 +297,8 @@ def test_over_http_with_specforges_own_client(store, sink, dump_dir: Path,
     from tests.harness.online import free_port
 
     upstream = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    server = make_server(Bridge(dump_dir, sink, engine), "127.0.0.1", 0, upstream)
+    bridge = Bridge(dump_dir, sink, engine)
+    server = make_server(bridge, "127.0.0.1", 0, upstream)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{server.server_address[1]}"
@@ -309,7 +318,7 @@ def test_over_http_with_specforges_own_client(store, sink, dump_dir: Path,
     finally:
         server.shutdown()
         thread.join()
-    assert _rid_dirs(dump_dir) == []
+    assert_removed(bridge)
 
 
 def test_a_put_mooncake_refuses_leaves_none_of_the_tasks_keys(sink) -> None:
@@ -335,11 +344,12 @@ def test_a_prompt_served_from_cache_fails_naming_the_radix_cache(
     from specforge.inference.adapters.server_capture import ServerCaptureFailure
 
     engine.cached = 4
-    (fail,) = sf_adapter(store, Bridge(dump_dir, sink, engine)).produce_refs(
+    bridge = Bridge(dump_dir, sink, engine)
+    (fail,) = sf_adapter(store, bridge).produce_refs(
         sf_tasks([10], first=60), capture=_capture())
     assert isinstance(fail, ServerCaptureFailure) and "radix" in fail.reason, fail
     assert sink.store.is_exist(f"{store.store_id}/run:task60/g1/target") == 0
-    assert _rid_dirs(dump_dir) == []
+    assert_removed(bridge)
 
 
 class CountingSink:
@@ -376,7 +386,7 @@ def test_features_in_flight_are_capped_by_workers_whatever_the_requests(
     for tasks, refs in zip(batches, results, strict=True):
         for task, ref in zip(tasks, refs, strict=True):
             _assert_readable(store, engine, task, ref)
-    assert _rid_dirs(dump_dir) == []
+    assert_removed(bridge)
 
 
 # --- Against a real CPU SGLang 0.5.23 server with the plugin (the suite's shared Llama server:
@@ -397,11 +407,7 @@ def live(llama_server, sink) -> Iterator[tuple[str, Bridge]]:
     yield f"http://127.0.0.1:{server.server_address[1]}", bridge
     server.shutdown()
     thread.join()
-
-
-def _bridge_dirs(dump_dir: Path) -> list[str]:
-    """The bridge's request directories left in a server's dump dir (other tests' are not)."""
-    return [p.name for p in dump_dir.iterdir() if p.is_dir() and "bridge-" in p.name]
+    bridge.close()
 
 
 def assert_equals_hf_fp32(store, model: Path, info: protocol.ServerInfo, tasks, refs) -> float:
@@ -454,7 +460,7 @@ def test_real_server_two_producers_batches_and_chunked_prefill_equal_hf_fp32(
         assert all(r.metadata["generation"] == 1 for r in refs), refs
         worst = max(worst, assert_equals_hf_fp32(store, llama_server.model, info, tasks, refs))
     print(f"worst relative error vs HF fp32: {worst:.2e}")
-    assert _bridge_dirs(llama_server.dump_dir) == []
+    assert_removed(bridge)
 
 
 @pytest.mark.server
@@ -483,7 +489,7 @@ def test_real_server_refusing_the_batch_fails_it_whole_and_leaves_nothing(
     assert "context length" in answers[0].json()["error"], answers[0].text
     for task in tasks:
         assert sink_has(bridge, store, task) is False
-    assert _bridge_dirs(llama_server.dump_dir) == []
+    assert_removed(bridge)
     ok = sf_tasks([12], first=330)
     refs = sf_adapter(store, None, url=url).produce_refs(ok, capture=capture)
     assert_equals_hf_fp32(store, llama_server.model, info, ok, refs)

@@ -13,7 +13,9 @@ import math
 import os
 import shutil
 import struct
+import threading
 import time
+from collections import deque
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Protocol
@@ -147,6 +149,71 @@ def read_request(dump_dir: Path, rid: str, input_ids: list[int], info: protocol.
 def remove_request(dump_dir: Path, rid: str) -> None:
     """Delete a request's directory from the dump dir (it is consumed or stale)."""
     shutil.rmtree(protocol.rid_dir(dump_dir, rid), ignore_errors=True)
+
+
+class Remover:
+    """Removes requests' directories on a thread of its own, so that whoever consumed a request
+    need not wait for it (:func:`remove_request`, one at a time, in order).
+
+    At most ``limit`` directories wait: :meth:`put` blocks while that many do, so the dump dir
+    is drained as fast as it fills. :meth:`close` removes what is left; a directory put after
+    it is removed at once, by the caller.
+    """
+
+    def __init__(self, dump_dir: Path, limit: int) -> None:
+        if limit < 1:
+            raise ValueError(f"a remover needs a limit >= 1, got {limit}")
+        self.dump_dir = dump_dir
+        self.limit = limit
+        self._queue: deque[str] = deque()
+        self._pending = 0  # queued or being removed
+        self._closed = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="hsdump-remover", daemon=True)
+        self._thread.start()
+
+    @property
+    def pending(self) -> int:
+        """Directories put and not yet removed."""
+        with self._cond:
+            return self._pending
+
+    def put(self, rid: str) -> None:
+        """Have request ``rid``'s directory removed; waits while ``limit`` others wait."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._closed or self._pending < self.limit)
+            if not self._closed:
+                self._queue.append(rid)
+                self._pending += 1
+                self._cond.notify_all()
+                return
+        remove_request(self.dump_dir, rid)
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until every directory put so far is removed; False after ``timeout`` seconds."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._pending == 0, timeout)
+
+    def close(self) -> None:
+        """Remove every directory put so far, then stop the thread."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._queue or self._closed)
+                if not self._queue:
+                    return
+                rid = self._queue.popleft()
+            try:
+                remove_request(self.dump_dir, rid)
+            finally:
+                with self._cond:
+                    self._pending -= 1
+                    self._cond.notify_all()
 
 
 def dump_free_bytes(dump_dir: Path) -> int:
