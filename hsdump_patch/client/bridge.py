@@ -602,6 +602,11 @@ def main(args: argparse.Namespace) -> int:
         return _fail(str(e))
     if args.workers < 1:
         return _fail(f"--workers must be >= 1, got {args.workers}")
+    # The bridge's tensor work is copies of one sample's chunks, run side by side by --workers
+    # threads. Torch's intra-op pool would make each copy a parallel region whose helper
+    # threads spin after it, taking cores from the server beside the bridge: 4x the bridge's
+    # CPU per GB on a 2-core host (docs/PERFORMANCE.md, online).
+    torch.set_num_threads(1)
     server_url = args.server.rstrip("/")
     try:
         requests.get(f"{server_url}/health", timeout=10).raise_for_status()
