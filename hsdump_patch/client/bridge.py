@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -37,7 +37,7 @@ import requests
 import torch
 
 from hsdump_patch import protocol
-from hsdump_patch.client.buffers import BufferPool, torch_dtype
+from hsdump_patch.client.buffers import BufferPool, tensor_at, torch_dtype
 from hsdump_patch.client.dumps.dumpdir import (
     Remover,
     read_request,
@@ -157,12 +157,23 @@ class TaskCapture:
         return feature_key(self.store_id, self.sample_id, self.gen, name)
 
 
+def _passthrough_at(length: int, info: protocol.ServerInfo) -> int:
+    """Where a task's passthroughs start in its buffer: after its hidden states, 8-aligned."""
+    return -(-RecordBuilder.nbytes(length, info) // 8) * 8
+
+
+def task_nbytes(length: int, info: protocol.ServerInfo, task: TaskCapture) -> int:
+    """The buffer :func:`task_tensors` needs for a prompt of ``length`` tokens."""
+    return _passthrough_at(length, info) + sum(
+        len(p.data) * PASSTHROUGH_DTYPES[p.dtype].itemsize for p in task.passthrough)
+
+
 def task_tensors(dump_dir: Path, rid: str, input_ids: list[int], info: protocol.ServerInfo,
-                 task: TaskCapture, buf: memoryview | None = None,
+                 task: TaskCapture, buf: memoryview,
                  chunk_pool: BufferPool | None = None) -> dict[str, torch.Tensor]:
     """The tensors of one finished dump, named as the task asks: ``aux`` [1, L, K*H] (the
-    layers in ascending order), ``last_hidden`` [1, L, H] in the model dtype, passthroughs.
-    The hidden states live in ``buf`` when given (:meth:`RecordBuilder.nbytes` long)."""
+    layers in ascending order), ``last_hidden`` [1, L, H] in the model dtype, passthroughs;
+    all of them in ``buf`` (:func:`task_nbytes` long), so that the sink registers it once."""
     length = len(input_ids)
     builder = RecordBuilder("specforge", length, info, buf=buf)
     read_request(dump_dir, rid, input_ids, info, builder, chunk_pool)
@@ -174,17 +185,18 @@ def task_tensors(dump_dir: Path, rid: str, input_ids: list[int], info: protocol.
             raise CaptureFailed("last_hidden wanted but the server does not capture the "
                                 "post-final-norm state (start it with the final state on)")
         out[task.features["last_hidden"]] = builder.final.view(1, length, -1)
-    # The passthroughs share one allocation, so the sink registers it once (:func:`spans`).
-    block = torch.empty(sum(len(p.data) * PASSTHROUGH_DTYPES[p.dtype].itemsize
-                            for p in task.passthrough), dtype=torch.uint8)
-    at = 0
+    at = _passthrough_at(length, info)
     for p in task.passthrough:
         dtype = PASSTHROUGH_DTYPES[p.dtype]
-        t = block[at: at + len(p.data) * dtype.itemsize].view(dtype)
+        t = tensor_at(buf, at, dtype, (len(p.data),))
         t.copy_(torch.tensor(p.data, dtype=dtype))
         out[p.name] = t.view(p.shape)
         at += t.nbytes
     return out
+
+
+def _address(buf: memoryview) -> int:
+    return tensor_at(buf, 0, torch.uint8, (1,)).data_ptr()
 
 
 def spans(tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
@@ -203,20 +215,49 @@ class MooncakeSink:
     """Writes tensors into Mooncake as raw buffers, hard-pinned (SpecForge frees them).
 
     ``store`` is a set-up ``mooncake.store.MooncakeDistributedStore`` whose global segment holds
-    the published features until the trainer removes them: size it (docs/online.md).
+    the published features until the trainer removes them: size it (docs/online.md). Tasks
+    build their tensors in :meth:`staging` buffers, kept for reuse up to ``staging_bytes``.
     """
 
-    def __init__(self, store: Any, replicate_config: Any) -> None:
+    def __init__(self, store: Any, replicate_config: Any, staging_bytes: int = 4 << 30) -> None:
         self.store = store
         self.config = replicate_config
         if hasattr(self.config, "with_hard_pin"):
             self.config.with_hard_pin = True
         self._lock = threading.Lock()
+        self._registered: dict[int, int] = {}  # staging buffers: address -> bytes
+        self._staging = BufferPool(staging_bytes, on_drop=self._unregister)
+
+    @contextlib.contextmanager
+    def staging(self, nbytes: int) -> Iterator[memoryview]:
+        """A buffer of at least ``nbytes`` for one task's tensors, registered with Mooncake once
+        for all its uses (a registration is a round trip to the metadata server; over RDMA it
+        pins the pages): :meth:`publish` registers nothing for tensors inside it."""
+        with self._staging.lend(nbytes) as buf:
+            ptr = _address(buf)
+            with self._lock:
+                if ptr not in self._registered:
+                    if self.store.register_buffer(ptr, len(buf)) != 0:
+                        raise CaptureFailed(f"Mooncake could not register a {len(buf)}-byte "
+                                            "staging buffer for the put")
+                    self._registered[ptr] = len(buf)
+            yield buf
+
+    def _unregister(self, buf: memoryview) -> None:
+        ptr = _address(buf)
+        with self._lock:
+            if self._registered.pop(ptr, None) is not None:
+                self.store.unregister_buffer(ptr)
+
+    def _staged(self, ptr: int, nbytes: int) -> bool:
+        with self._lock:
+            return any(b <= ptr and ptr + nbytes <= b + n for b, n in self._registered.items())
 
     @classmethod
     def connect(cls, *, master: str, metadata: str, local_hostname: str,
                 global_segment_size: int, local_buffer_size: int = 64 << 20,
-                protocol_name: str = "tcp", rdma_devices: str = "") -> MooncakeSink:
+                protocol_name: str = "tcp", rdma_devices: str = "",
+                staging_bytes: int = 4 << 30) -> MooncakeSink:
         """Connect to a Mooncake master (``host:port``) and metadata server (URL)."""
         from mooncake.store import MooncakeDistributedStore, ReplicateConfig
 
@@ -226,7 +267,7 @@ class MooncakeSink:
         if rc != 0:
             raise RuntimeError(f"Mooncake setup failed (status {rc}) for master {master}, "
                                f"metadata {metadata}, protocol {protocol_name}")
-        return cls(store, ReplicateConfig())
+        return cls(store, ReplicateConfig(), staging_bytes)
 
     def remove(self, keys: list[str]) -> list[str]:
         """Force-remove ``keys``; return the ones that could not be removed."""
@@ -234,7 +275,8 @@ class MooncakeSink:
 
     def publish(self, task: TaskCapture, tensors: dict[str, torch.Tensor]) -> None:
         """Make every tensor readable under the task's keys, or none of them: one existence
-        check, one batched put, each distinct memory range registered once.
+        check, one batched put, each distinct memory range outside the staging buffers
+        registered for it.
 
         Mooncake's ``put_from`` keeps an existing object's old bytes (and answers 0), so a
         ``replace`` (a retry) upserts; without it an existing key is refused.
@@ -247,7 +289,7 @@ class MooncakeSink:
                 raise CaptureFailed(f"keys {present} exist and the request does not replace "
                                     "them (a second writer of this sample?)")
         flat = [t.contiguous() for t in tensors.values()]
-        ranges = spans(flat)
+        ranges = [r for r in spans(flat) if not self._staged(*r)]
         registered = []
         try:
             for ptr, nbytes in ranges:
@@ -327,7 +369,8 @@ class Bridge:
                  max_inflight_bytes: int = 4 << 30) -> None:
         """At most ``workers`` tasks are read and published at once, whatever the number of
         requests: host memory for features in flight is ``workers`` x (largest sample + one
-        chunk), buffers reused up to ``max_inflight_bytes``; further requests wait (their
+        chunk), chunk buffers reused up to ``max_inflight_bytes`` (the samples' are the sink's
+        :meth:`~MooncakeSink.staging` buffers); further requests wait (their
         HTTP answer too: the producer slows down). The request's dump directories are removed
         after its answer, on a thread of their own (at most ``PENDING_REMOVALS`` waiting, or the
         answers wait too); :meth:`close` removes what is left."""
@@ -339,7 +382,6 @@ class Bridge:
         self.engine = engine
         self.marker_timeout = marker_timeout
         self._slots = threading.BoundedSemaphore(workers)
-        self._record_bufs = BufferPool(max_inflight_bytes)
         self._chunk_bufs = BufferPool(max_inflight_bytes)
         self.remover = Remover(self.dump_dir, PENDING_REMOVALS)
         self.stats = BridgeStats()
@@ -393,9 +435,9 @@ class Bridge:
         if status.error is not None:
             return self._failure(task, f"the server could not dump rid {rid}: "
                                          f"{status.error.reason}")
-        nbytes = RecordBuilder.nbytes(len(prompt), self.info)
+        nbytes = task_nbytes(len(prompt), self.info, task)
         try:
-            with self._slots, self._record_bufs.lend(nbytes) as buf:
+            with self._slots, self.sink.staging(nbytes) as buf:
                 tensors = task_tensors(self.dump_dir, rid, prompt, self.info, task, buf,
                                        self._chunk_bufs)
                 self.sink.publish(task, tensors)
@@ -623,7 +665,7 @@ def main(args: argparse.Namespace) -> int:
                                     local_hostname=args.local_hostname,
                                     global_segment_size=segment, local_buffer_size=local_buffer,
                                     protocol_name=args.mc_protocol,
-                                    rdma_devices=args.rdma_devices)
+                                    rdma_devices=args.rdma_devices, staging_bytes=inflight)
     except ImportError as e:
         return _fail(f"cannot import Mooncake ({e}): install mooncake-transfer-engine (or its "
                      "non-CUDA build, mooncake-transfer-engine-non-cuda)")

@@ -11,7 +11,7 @@ allocating, and a buffer is kept for reuse only while all buffers together stay 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -23,13 +23,18 @@ class BufferPool:
     """Lends byte buffers of at least a requested size (see the module docstring): memoryviews
     of 64-byte aligned torch allocations."""
 
-    def __init__(self, limit_bytes: int) -> None:
+    def __init__(self, limit_bytes: int,
+                 on_drop: Callable[[memoryview], None] | None = None) -> None:
+        """``on_drop(buf)`` runs for each buffer the pool lets go of, before it does (to undo
+        what a user set up once for the buffer's whole life, such as a registration)."""
         self.limit = limit_bytes
+        self.on_drop = on_drop
         self._free: list[memoryview] = []
         self._held = 0  # bytes of every buffer, free or lent
         self._lock = threading.Lock()
 
     def _take(self, nbytes: int) -> memoryview:
+        dropped: list[memoryview] = []
         with self._lock:
             fits = [b for b in self._free if len(b) >= nbytes]
             if fits:
@@ -37,19 +42,28 @@ class BufferPool:
                 self._free.remove(buf)
                 return buf
             if self._free:  # every free one is too small: give one back instead of adding one
-                self._held -= len(self._free.pop())
+                dropped.append(self._free.pop())
+                self._held -= len(dropped[-1])
             size = -(-nbytes // _ROUND) * _ROUND
             while self._free and self._held + size > self.limit:
-                self._held -= len(self._free.pop(0))
+                dropped.append(self._free.pop(0))
+                self._held -= len(dropped[-1])
             self._held += size
+        self._drop(dropped)
         return memoryview(torch.empty(size, dtype=torch.uint8).numpy())
 
     def _give(self, buf: memoryview) -> None:
         with self._lock:
-            if self._held > self.limit:  # more was lent at once than the limit: shrink back
-                self._held -= len(buf)
-            else:
+            if self._held <= self.limit:
                 self._free.append(buf)
+                return
+            self._held -= len(buf)  # more was lent at once than the limit: shrink back
+        self._drop([buf])
+
+    def _drop(self, bufs: list[memoryview]) -> None:
+        if self.on_drop is not None:
+            for buf in bufs:
+                self.on_drop(buf)
 
     @contextmanager
     def lend(self, nbytes: int) -> Iterator[memoryview]:

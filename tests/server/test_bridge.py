@@ -337,6 +337,43 @@ def test_a_put_mooncake_refuses_leaves_none_of_the_tasks_keys(sink) -> None:
         [(block.data_ptr(), 128), (other.data_ptr(), 64)])
 
 
+class CountingStore:
+    """A Mooncake store counting buffer registrations (everything else goes to the real one)."""
+
+    def __init__(self, store) -> None:
+        self.store, self.registered, self.unregistered = store, 0, 0
+
+    def register_buffer(self, ptr: int, nbytes: int) -> int:
+        self.registered += 1
+        return self.store.register_buffer(ptr, nbytes)
+
+    def unregister_buffer(self, ptr: int) -> int:
+        self.unregistered += 1
+        return self.store.unregister_buffer(ptr)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+
+def test_a_staging_buffer_is_registered_once_for_all_its_puts(sink) -> None:
+    """Three tasks built in the same staging buffer: one registration, none per put, and each
+    task's bytes read back; the buffer is unregistered when the sink lets go of it (a larger
+    one replaces it)."""
+    counting = CountingStore(sink.store)
+    staged = MooncakeSink(counting, sink.config, staging_bytes=64 << 20)
+    for i in range(3):
+        with staged.staging(1 << 20) as buf:
+            t = torch.frombuffer(buf, dtype=torch.int64, count=1 << 17)
+            t.fill_(i)
+            staged.publish(TaskCapture("stage", f"x{i}", 1, False, {}, ()), {"t": t})
+        assert (counting.registered, counting.unregistered) == (1, 0)
+        got = torch.frombuffer(bytearray(sink.store.get(f"stage/x{i}/g1/t")), dtype=torch.int64)
+        assert torch.equal(got, torch.full((1 << 17,), i)), i
+    with staged.staging(32 << 20):
+        assert (counting.registered, counting.unregistered) == (2, 1)
+    assert sink.remove([f"stage/x{i}/g1/t" for i in range(3)]) == []
+
+
 def test_a_prompt_served_from_cache_fails_naming_the_radix_cache(
         store, sink, dump_dir: Path, engine: DumpEngine) -> None:
     """A row whose prompt tokens came from the radix cache (no hidden states for them) is
@@ -357,6 +394,7 @@ class CountingSink:
 
     def __init__(self, sink: MooncakeSink) -> None:
         self.sink, self.active, self.peak = sink, 0, 0
+        self.staging = sink.staging
         self.lock = threading.Lock()
 
     def publish(self, task, tensors) -> None:

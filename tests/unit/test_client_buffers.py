@@ -57,15 +57,23 @@ def test_records_from_reused_buffers_are_byte_identical_to_fresh_ones(tmp_path, 
 
 
 def test_pool_reuses_and_keeps_at_most_its_limit():
-    pool = buffers.BufferPool(limit_bytes=3 << 24)
+    """Buffers are reused; beyond the limit they are let go of, each reported to ``on_drop``
+    (the bridge's sink unregisters it from Mooncake there)."""
+    dropped: list[memoryview] = []
+    pool = buffers.BufferPool(limit_bytes=3 << 24, on_drop=dropped.append)
     with pool.lend(100) as a:
         first = a
     with pool.lend(50) as b:
         assert b is first  # reused, not allocated again
     with pool.lend(1 << 24) as x, pool.lend(1 << 24) as y, pool.lend(1 << 24) as z:
         assert len({id(x), id(y), id(z)}) == 3
-        with pool.lend(1 << 24):  # four lent at once: over the limit while lent
+        with pool.lend(1 << 24) as fourth:  # four lent at once: over the limit while lent
             pass
+    assert pool._held <= pool.limit
+    assert [id(d) for d in dropped] == [id(fourth)]
+    with pool.lend(2 << 24) as big:  # none fits: two free ones go so that it stays in the limit
+        assert len(dropped) == 3 and all(len(d) == 1 << 24 for d in dropped)
+        assert all(d is not big for d in dropped)
     assert pool._held <= pool.limit
 
 
