@@ -205,9 +205,7 @@ class CaptureBuffers:
         has already seen them end, and this makes no CUDA call."""
         i = self._current = self._next
         self._next = (i + 1) % len(self._bufs)
-        buf = self._bufs[i]
-        if buf is None or buf.shape[0] < rows:
-            buf = self._ensure(i, rows)
+        buf = self._ensure(i, rows)
         copied = self._copied[i]
         if copied is not None:
             self._copied[i] = None
