@@ -79,7 +79,8 @@ class _ForwardState:
     here adds to the forward's device time (issue 17): it only takes its capture buffer,
     without a CUDA call in the usual case (:meth:`CaptureBuffers.acquire`)."""
 
-    __slots__ = ("buf", "buffers", "captured", "dumped_rows", "error", "forward_batch", "rows")
+    __slots__ = ("buf", "buffers", "captured", "dsts", "dumped_rows", "error", "forward_batch",
+                 "rows")
 
     def __init__(self, buffers: CaptureBuffers | None, forward_batch: Any, rows: int) -> None:
         self.buffers = buffers  # None on a non-writer rank: nothing is stored
@@ -89,20 +90,34 @@ class _ForwardState:
         self.captured: set[int] = set()
         self.error: str | None = None
         self.dumped_rows: frozenset[int] = frozenset()  # batch rows (requests) to hand off
+        self.dsts: list[torch.Tensor] = []  # the buffer's slots, widened (CaptureBuffers.views)
         if buffers is not None:
             try:
                 self.buf = buffers.acquire(rows)
+                self.dsts = buffers.views
             except Exception as e:  # runs in the forward pre-hook: it must never raise
                 self.error = f"taking the capture buffer failed: {type(e).__name__}: {e}"
 
     def store(self, slot: int, tensor: torch.Tensor) -> None:
+        """Pack ``tensor``'s first ``rows`` rows into ``slot``. The first store of a forward
+        runs while the device waits for the host (issue 17), so the usual case makes two
+        ATen calls (a view and the copy) into the slot's view made with the buffer."""
         # Runs inside SGLang's layer code: it must never raise.
         if self.buf is None or self.error is not None:
             return
         try:
-            if tensor.shape[0] < self.rows:
-                raise ValueError(f"captured {tensor.shape[0]} rows, the batch has {self.rows}")
-            copy_rows(self.buf[: self.rows, slot], tensor[: self.rows])
+            rows = self.rows
+            if tensor.shape[0] < rows:
+                raise ValueError(f"captured {tensor.shape[0]} rows, the batch has {rows}")
+            src = tensor if tensor.shape[0] == rows else tensor.narrow(0, 0, rows)
+            dst = self.dsts[slot]
+            wide = dst.dtype
+            if (wide != src.dtype and src.dtype == self.buf.dtype and src.dim() == 2
+                    and src.shape[1] == self.buf.shape[2]
+                    and _aligned(src, src.element_size(), wide.itemsize)):
+                (dst if dst.shape[0] == rows else dst.narrow(0, 0, rows)).copy_(src.view(wide))
+            else:
+                copy_rows(self.buf[:rows, slot], src)
             self.captured.add(slot)
         except Exception as e:
             self.error = f"capture of slot {slot} failed: {type(e).__name__}: {e}"
@@ -141,6 +156,18 @@ def _aligned(t: torch.Tensor, size: int, w: int) -> bool:
             and t.data_ptr() % w == 0)
 
 
+def slot_views(buf: torch.Tensor) -> list[torch.Tensor]:
+    """Each slot of a ``[T, S, H]`` buffer as a ``[T, H']`` view in the widest elements that
+    :func:`copy_rows` would pick for it (the buffer's own dtype if none fits)."""
+    size = buf.element_size()
+    for wide in _WIDE_DTYPES:
+        w = wide.itemsize
+        if w > size and (buf.shape[2] * size) % w == 0 and buf.data_ptr() % w == 0:
+            buf = buf.view(wide)
+            break
+    return [buf[:, s] for s in range(buf.shape[1])]
+
+
 CAPTURE_BUFFERS = 2
 
 
@@ -162,6 +189,8 @@ class CaptureBuffers:
         self.slots, self.hidden, self.dtype, self.device = slots, hidden, dtype, device
         self._bufs: list[torch.Tensor | None] = [None] * count
         self._copied: list[torch.cuda.Event | None] = [None] * count  # its last copies
+        self._views: list[list[torch.Tensor]] = [[] for _ in range(count)]  # slot_views
+        self.views: list[torch.Tensor] = []  # the slot views of the buffer acquired last
         self._next = 0
         self._current: int | None = None
 
@@ -196,6 +225,7 @@ class CaptureBuffers:
             self._bufs[i] = None  # its pending copies keep its memory (record_stream)
             buf = self._bufs[i] = torch.empty((rows, self.slots, self.hidden), dtype=self.dtype,
                                               device=self.device)
+            self._views[i] = slot_views(buf)
         return buf
 
     def acquire(self, rows: int) -> torch.Tensor:
@@ -206,6 +236,7 @@ class CaptureBuffers:
         i = self._current = self._next
         self._next = (i + 1) % len(self._bufs)
         buf = self._ensure(i, rows)
+        self.views = self._views[i]
         copied = self._copied[i]
         if copied is not None:
             self._copied[i] = None

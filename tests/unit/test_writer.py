@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 from hsdump_patch import protocol
 from hsdump_patch.capture import writer as writer_module
-from hsdump_patch.capture.session import CaptureBuffers, copy_rows
+from hsdump_patch.capture.session import CaptureBuffers, _ForwardState, copy_rows
 from hsdump_patch.capture.writer import MODES, Chunk, DumpWriter
 
 SLOTS, HIDDEN = 4, 64
@@ -108,6 +108,33 @@ def test_copy_rows_packs_a_slot_exactly() -> None:
         copy_rows(buf[:33, 2], src)
         assert torch.equal(buf[:33, 2], src)
         assert not buf[:33, [0, 1, 3]].any() and not buf[33:].any()
+
+
+def test_forward_state_stores_each_slot_exactly() -> None:
+    """``_ForwardState.store`` (through the buffer's widened slot views, or ``copy_rows`` when
+    the source does not fit them) packs exactly the batch's rows of every slot: padded,
+    exact, offset (not 16-byte aligned) and float32 sources, a batch smaller than the buffer,
+    and a buffer whose rows allow no wide view."""
+    for hidden in (HIDDEN, 3):
+        buffers = CaptureBuffers(None, SLOTS, hidden, torch.bfloat16, CPU)  # type: ignore[arg-type]
+        buffers.reserve(40)
+        for rows in (40, 33):
+            g = torch.Generator().manual_seed(rows + hidden)
+            srcs = [torch.randn(rows + 7, hidden, generator=g).to(torch.bfloat16),  # padded
+                    torch.randn(rows, hidden, generator=g).to(torch.bfloat16),
+                    torch.randn(rows, hidden + 1, generator=g).to(torch.bfloat16)[:, 1:],
+                    torch.randn(rows, hidden, generator=g)]  # float32: converted
+            state = _ForwardState(buffers, None, rows)
+            assert state.buf is not None and state.error is None
+            state.buf.zero_()
+            for slot, src in enumerate(srcs):
+                state.store(slot, src)
+            assert state.error is None and state.captured == set(range(SLOTS))
+            for slot, src in enumerate(srcs):
+                assert torch.equal(state.buf[:rows, slot], src[:rows].to(torch.bfloat16))
+            assert not state.buf[rows:].any()
+            state.store(0, srcs[1][: rows - 1])  # too few rows: an error, never a raise
+            assert state.error is not None and "rows" in state.error
 
 
 class _Copies:
