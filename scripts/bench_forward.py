@@ -28,7 +28,9 @@ table gives medians, the ratios to ``off`` (also paired forward by forward), the
 for earlier copies, the host time blocked on the in-flight cap and the host time of the
 hand-off per forward. Every dumped value (hidden states, ids, positions) is read back from
 the files and checked against what the forward produced; a failed check exits 1.
-``--diagnose`` and ``--profile`` add a breakdown (see their help).
+``--diagnose`` and ``--profile`` add a breakdown (see their help). ``--order overlap`` enqueues
+each timed forward while the forward before it runs, as SGLang's default overlap scheduler
+does for consecutive prefill batches, and times its span on the device instead.
 
     python scripts/bench_forward.py                  # cuda: Kimi-K2.5 shapes into /dev/shm
     python scripts/bench_forward.py --device cpu     # tiny shapes, a smoke test anywhere
@@ -150,6 +152,7 @@ class PrevBuffers(CaptureBuffers):
         i = self._current = self._next
         self._next = (i + 1) % self.count
         buf = self._ensure(i, rows)
+        self.views = self._views[i]
         copied = self._copied[i]
         if copied is not None:
             torch.cuda.current_stream().wait_event(copied)
@@ -265,10 +268,11 @@ class Bench:
         return [(a, b) for a, b in itertools.pairwise(cuts) if b > a]
 
     def forward(self, model: Model, buffers: CaptureBuffers | None, tag: str,
-                noise: str = "") -> tuple[Sample, int]:
+                noise: str = "", wait: bool = True) -> tuple[Sample, int]:
         """One forward (dumped when ``buffers`` is given; ``tag`` "pack" stores without a
         hand-off; ``noise``: the :class:`Noise` kind to trigger at its start); return its
-        sample and number."""
+        sample and number. ``wait=False``: return once it is enqueued, without a sample (the
+        next forward is enqueued while it runs: ``--order overlap``)."""
         f = self.forward_no = self.forward_no + 1
         ev = (lambda: torch.cuda.Event(enable_timing=True)) if self.cuda else None
         marks: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
@@ -319,9 +323,13 @@ class Bench:
         end = ev() if ev else None
         if end is not None:
             end.record()
+            if not wait:
+                return Sample(0.0, 0.0, 0.0, 0.0, handoff), f
             end.synchronize()  # the scheduler waits for the sampled tokens, not for the copies
         wall = (time.perf_counter() - t0) * 1e3
         gpu = start.elapsed_time(end) if start is not None and end is not None else wall
+        if self.args.order == "overlap" and start is not None:
+            wall = gpu  # it was enqueued while the one before ran: its span on the device
         # The stall: the stream time of the pre-hook (where the buffer is taken and the stream
         # waits for the copies of the forward that used it last) plus how much longer the
         # first store took than a later one.
@@ -557,7 +565,8 @@ class Bench:
                 dumped = []
                 with self.leaving_out(cond):
                     for k in range(self.args.warmup + self.args.forwards):
-                        sample, f = self.forward(model, buf, cond, noise)
+                        wait = self.args.order == "sync" or k >= self.args.warmup
+                        sample, f = self.forward(model, buf, cond, noise, wait)
                         if buf is not None:
                             dumped.append((cond, f))
                         if k >= self.args.warmup:
@@ -698,6 +707,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "block ran up to 10%% slower than one after a block's checks "
                          f"(default: {DEFAULTS['cuda']['gap']} on cuda, "
                          f"{DEFAULTS['cpu']['gap']} on cpu)")
+    ap.add_argument("--order", choices=("sync", "overlap"), default="sync",
+                    help="sync: the host waits for each forward before it enqueues the next, "
+                         "so every forward starts on an idle device and its first layers wait "
+                         "for the host (as with SGLang's overlap scheduler off, or "
+                         "SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP=1); overlap: the timed "
+                         "forward is enqueued while the warm-up forward before it runs (SGLang's "
+                         "default overlap scheduler for consecutive prefill batches), and its "
+                         "sample is its span on the device; needs --forwards 1 (default: sync)")
     ap.add_argument("--threads", type=int, default=config.DEFAULT_WRITER_THREADS,
                     help=f"writer threads (default: {config.DEFAULT_WRITER_THREADS})")
     ap.add_argument("--cap", type=int, default=config.DEFAULT_MAX_INFLIGHT,
@@ -734,6 +751,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--diagnose: unknown conditions {unknown}")
     if args.warmup < 0:
         ap.error("--warmup must be >= 0")
+    if args.order == "overlap" and (args.forwards != 1 or args.warmup < 1):
+        ap.error("--order overlap needs --forwards 1 and --warmup >= 1")
     if 2 * args.rounds * args.forwards < 5:
         ap.error("fewer than 5 samples per condition: raise --forwards or --rounds")
     return args
@@ -756,8 +775,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# bench_forward {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC on "
           f"{machine}, torch {torch.__version__}; hidden {args.hidden}, {args.layers} layers, "
           f"captured {args.aux_layers} + final, {args.requests} requests per forward, "
-          f"{2 * args.rounds * args.forwards} forwards per condition, writer "
-          f"{args.threads} threads into {args.dump_dir}", flush=True)
+          f"{2 * args.rounds * args.forwards} forwards per condition, order {args.order}, "
+          f"writer {args.threads} threads into {args.dump_dir}", flush=True)
     points = []
     try:
         for tokens in (int(x) for x in args.chunks.split(",")):
@@ -787,7 +806,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}")
     if args.json is not None:
         args.json.write_text(json.dumps({
-            "machine": machine, "torch": torch.__version__, "rows": rows, "goal_met": met,
+            "machine": machine, "torch": torch.__version__, "order": args.order, "rows": rows,
+            "goal_met": met,
             f"goal_met_{ALT}": verdicts[ALT], "verified_values": bench.verified_values,
             "verified_files": bench.verified_files, "errors": bench.errors,
             "writers": {m: w.stats.as_dict() for m, w in bench.writers.items()}}, indent=1))

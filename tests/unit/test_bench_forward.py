@@ -46,3 +46,23 @@ def test_bench_forward_cpu_checks_every_dumped_value(tmp_path: Path) -> None:
     assert writers["process"]["mode"] == "process" and writers["process"]["internal_errors"] == 0
     assert sum(w["chunks_written"] for w in writers.values()) == result["verified_files"]
     assert not any((tmp_path / "dump").iterdir())  # checked files are removed
+
+
+def test_bench_forward_overlap_order_runs_on_cpu_and_needs_one_timed_forward(
+        tmp_path: Path) -> None:
+    """``--order overlap`` (the timed forward enqueued while the one before runs) needs one
+    timed forward per block; on CPU, where nothing is asynchronous, it runs as ``sync``."""
+    base = [sys.executable, str(ROOT / "scripts" / "bench_forward.py"), "--device", "cpu",
+            "--hidden", "32", "--layers", "4", "--aux-layers", "1,2", "--chunks", "16",
+            "--us-per-token", "50", "--requests", "2", "--rounds", "3", "--threads", "2",
+            "--cap", str(1 << 20), "--dump-dir", str(tmp_path / "dump"), "--order", "overlap"]
+    bad = subprocess.run([*base, "--forwards", "2"], capture_output=True, text=True,
+                         timeout=300, cwd=ROOT)
+    assert bad.returncode == 2 and "--order overlap needs --forwards 1" in bad.stderr
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([*base, "--forwards", "1", "--json", str(out)], capture_output=True,
+                          text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    assert result["order"] == "overlap" and result["errors"] == []
+    assert result["rows"][0]["samples"] == {"off": 6, "on": 6, "thread": 6, "old": 6}
