@@ -39,6 +39,9 @@ def cpu_env(extra: dict[str, str] | None = None, tp: int = 1) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(FAULT_SHIM), str(CPU_SHIM), env.get("PYTHONPATH")) if p)
     env.pop(ENV_DIR, None)
+    # Nothing to diagnose on a stopped CPU server: without this, SGLang's parent sleeps 5 s
+    # ("before crash diagnostics", py-spy and CUDA core dumps) at every stop.
+    env["SGLANG_PYSPY_DUMP_BEFORE_CRASH"] = env["SGLANG_CUDA_COREDUMP_BEFORE_CRASH"] = "0"
     # torch.compile's on-disk cache is not safe across concurrent processes (an importer can
     # read a half-written .so): one cache per test run, shared by its servers in sequence.
     env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(),
