@@ -1,13 +1,18 @@
-"""CPU fix for SGLang 0.5.23, active in every process (spawned schedulers included) that has
+"""CPU stand-ins for SGLang 0.5.23, active in every process (spawned schedulers included) that has
 this directory on PYTHONPATH and ``SGLANG_USE_CPU_ENGINE=1``.
 
 On CPU without AMX, SGLang uses the torch_native attention backend, whose ``forward_extend``
 ignores the k/v that DeepSeek's MHA prefill passes and re-reads the MLA latent pool: the prefill
 is wrong for MLA models. Route torch_native to the absorbed-MLA path (the one decode uses),
 which torch_native handles correctly.
+
+FlashInfer (a CUDA-only library SGLang installs) is not importable here: SGLang imports it
+only where it may be absent (``try: import flashinfer``, ``is_flashinfer_available()``, which is
+false without CUDA), and importing it costs 3-4 s of CPU in each of a server's processes.
 """
 
 import importlib.abc
+import importlib.machinery
 import importlib.util
 import os
 import sys
@@ -46,7 +51,31 @@ class PatchAfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
+class Absent(importlib.abc.Loader):
+    """Loader that fails the import, as for a package that is not installed."""
+
+    def create_module(self, spec):
+        raise ModuleNotFoundError(f"No module named {spec.name!r} (CPU test server: the CUDA-only "
+                                  f"{spec.name.partition('.')[0]} is left out)", name=spec.name)
+
+    def exec_module(self, module):
+        raise AssertionError("unreachable: create_module raised")
+
+
+class LeaveOut(importlib.abc.MetaPathFinder):
+    """Make the packages ``names`` (and their submodules) fail to import."""
+
+    def __init__(self, names):
+        self.names = names
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname.partition(".")[0] in self.names:
+            return importlib.machinery.ModuleSpec(fullname, Absent())
+        return None
+
+
 if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":
+    sys.meta_path.insert(0, LeaveOut({"flashinfer"}))
     sys.meta_path.insert(0, PatchAfterImport({
         "sglang.srt.models.deepseek_common.attention_backend_handler":
             _route_torch_native_to_absorbed_mla}))
