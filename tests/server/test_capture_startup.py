@@ -1,5 +1,6 @@
 """Start-up behaviour: bad configuration stops a real server at once with a clear message (one
-launch per failure stage); with ``SGLANG_HS_DUMP_DIR`` unset the plugin installs nothing."""
+launch per failure stage). With ``SGLANG_HS_DUMP_DIR`` unset the plugin installs nothing: asserted
+on tests/server/test_client_extract.py's plain server (radix cache on)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,6 @@ import requests
 
 from tests.harness import server as srv
 
-NO_PREFILL_GRAPHS = ["--cuda-graph-backend-prefill", "disabled"]
-
 # One real launch per failure stage (id, extra server args, extraction args, env, expected
 # message fragment); every other refusal is decided in-process, in tables of
 # tests/unit/test_capture_config.py (the environment, the guards on the resolved server args).
@@ -17,8 +16,8 @@ STARTUP_ERRORS = [
     # Once SGLang has resolved its server args: the capture's environment (DumpConfig) ...
     ("bad-final", [], srv.EXTRACTION_ARGS, {"SGLANG_HS_DUMP_FINAL": "maybe"},
      "SGLANG_HS_DUMP_FINAL='maybe' is not a boolean"),
-    # ... and the guards on the resolved server args.
-    ("radix-cache-on", [], NO_PREFILL_GRAPHS, {}, "Pass --disable-radix-cache"),
+    # ... and the guards on the resolved server args: hsdump verify's CPU variant launches one
+    # with the radix cache on (check (e), asserted in tests/server/test_verify.py).
     # At install, in each scheduler, against the loaded model.
     ("layers-out-of-range", [], srv.EXTRACTION_ARGS, {"SGLANG_HS_DUMP_LAYERS": "2,99"},
      "capture indices [99] are out of range"),
@@ -58,16 +57,3 @@ def test_a_rank_without_the_capture_refuses_to_serve_dumps(tiny_models, tmp_path
     assert "Skipping plugin hsdump" in log
     assert "the capture is not installed on TP rank 1 of this server" in log
     assert "Refusing to serve dumps" in log
-
-
-@pytest.mark.server
-def test_dump_off_installs_nothing(tiny_models, tmp_path):
-    """Without SGLANG_HS_DUMP_DIR the plugin registers no hook, so even a configuration the
-    patch would refuse serves normally."""
-    s = srv.start(tiny_models / "tiny-llama", tmp_path / "server.log", extraction_args=[])
-    try:
-        assert s.generate([1, 5, 6, 7], rid="hsdump-x", max_new_tokens=2)["output_ids"]
-        log = s.log()
-    finally:
-        s.stop()
-    assert "hsdump" not in log.replace("hsdump-x", "")

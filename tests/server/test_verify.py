@@ -28,12 +28,12 @@ def verify_run(tmp_path_factory, sglang_available):
     r = subprocess.run([sys.executable, "-m", "hsdump_patch.cli", "verify", "--work", str(work),
                         "--no-progress"], env=env, capture_output=True, text=True,
                        timeout=1800, check=False)
-    return r, json.loads((work / "report.json").read_text())
+    return r, json.loads((work / "report.json").read_text()), work
 
 
 @pytest.mark.server
 def test_cpu_variant_passes_every_check(verify_run):
-    r, report = verify_run
+    r, report, _ = verify_run
     checks = {(c["check"], c["scope"]): c for c in report["checks"]}
     failed = {k: c["detail"] for k, c in checks.items()
               if c["verdict"] != ("SKIP" if k in SKIPPED_ON_CPU else "PASS")}
@@ -52,7 +52,7 @@ def test_cpu_variant_passes_every_check(verify_run):
 
 @pytest.mark.server
 def test_report_shows_what_each_check_covered(verify_run):
-    _, report = verify_run
+    _, report, work = verify_run
     checks = {(c["check"], c["scope"]): c for c in report["checks"]}
     for tp in (1, 2):
         cases = checks["a", f"tp {tp}"]["data"]["cases"]
@@ -85,3 +85,9 @@ def test_report_shows_what_each_check_covered(verify_run):
     assert "no GPU" in checks["f", "forward at Kimi-K2.5 shapes"]["detail"]
     refusals = checks["e", "resolved config"]["data"]["cases"]
     assert len(refusals) == len(verify.REFUSED) + 1 and all(c["ok"] for c in refusals)
+    # The real launch with the radix cache on (the suite's one launch refused by the guards on
+    # SGLang's resolved server args): refused before serving, naming the fix.
+    refused = (work / "refused-radix.log").read_text()
+    assert checks["e", "launch: radix cache on"]["data"]["exit_code"] not in (0, None)
+    assert "Pass --disable-radix-cache" in refused, refused[-3000:]
+    assert "Uvicorn running" not in refused
