@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -32,9 +33,36 @@ class ServerFailed(RuntimeError):
     """A server exited or did not become ready."""
 
 
+# Ports handed out below the kernel's ephemeral range, beneath the one SGLang 0.5.23 uses for its
+# own ports bound later (22000-29999, utils/network.py get_free_port_below_ephemeral).
+PORT_RANGE = (15000, 21999)
+_handed_out: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now."""
-    with socket.socket() as s:
+    """A TCP port that is free now, for a server that binds it later: below the ephemeral range
+    (where bind(0) and outgoing connections, gloo's TP pairs among them, take ports, so a port
+    picked there can be gone a minute later: "address already in use"), never the same twice in
+    one process."""
+    low, high = PORT_RANGE[0], min(PORT_RANGE[1], _ephemeral_low() - 1)
+    for port in random.sample(range(low, high + 1), min(256, max(0, high - low + 1))):
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket() as s:  # no free port below the ephemeral range: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -15,12 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from hsdump_patch.client.bridge import Bridge
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from hsdump_patch.ops.launch import free_port
 
 
 def wait_port(port: int, proc: subprocess.Popen, what: str) -> None:

@@ -294,7 +294,7 @@ def test_over_http_with_specforges_own_client(store, sink, dump_dir: Path,
     to the SGLang server, and a server that does not answer is a 502 naming it."""
     import requests
 
-    from tests.harness.online import free_port
+    from hsdump_patch.ops.launch import free_port
 
     upstream = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     bridge = Bridge(dump_dir, sink, engine)
