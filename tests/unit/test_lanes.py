@@ -57,6 +57,16 @@ def test_each_lane_is_a_marker_and_a_make_target():
     dry = subprocess.run(["make", "-n", "-o", ".venv/.hsdump-installed", "test"], cwd=ROOT,
                          capture_output=True, text=True, timeout=60).stdout
     assert all(f"tests/{lane}" in dry for lane in LANES), dry
+    # ... and each test file in exactly one of its pytest processes.
+    runs = [line.split(" -m pytest ", 1)[1].split() for line in dry.splitlines()
+            if " -m pytest " in line]
+    assert len(runs) == 2, dry
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        in_runs = [run for run in runs
+                   if any(rel == a or rel.startswith(f"{a}/") for a in run if a.startswith("tests"))
+                   and f"--ignore={rel}" not in run]
+        assert len(in_runs) == 1, (rel, runs)
 
 
 def test_the_check_counter_counts_asserts_and_raises():
