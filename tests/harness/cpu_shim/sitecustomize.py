@@ -9,8 +9,19 @@ which torch_native handles correctly.
 FlashInfer (a CUDA-only library SGLang installs) is not importable here: SGLang imports it
 only where it may be absent (``try: import flashinfer``, ``is_flashinfer_available()``, which is
 false without CUDA), and importing it costs 3-4 s of CPU in each of a server's processes.
+
+Start-up cost, which the suite pays for each of its ~30 servers (each 3+ processes that import
+SGLang whole, 12-20 s of CPU apiece on the 2-core CI machine):
+- ``ml_dtypes`` is left out too: only ``tvm_ffi`` imports it on this path, inside ``try``, for
+  numpy names of bf16/fp8 dtypes (~1-1.5 s of CPU per process).
+- The collector's oldest generation is swept 100x less often: the import builds ~10^6
+  long-lived objects, and each full sweep walks them all (~10-20% of the import).
+- ``torch.compile`` runs its functions eagerly (``TORCHDYNAMO_DISABLE=1``, unless set): SGLang
+  compiles its MoE top-k and rotary helpers on the first forward, which on CPU is a C++ build
+  with gcc, 30-40 s before a cold DeepSeek or Kimi server answers its warm-up request.
 """
 
+import gc
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -75,7 +86,9 @@ class LeaveOut(importlib.abc.MetaPathFinder):
 
 
 if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":
-    sys.meta_path.insert(0, LeaveOut({"flashinfer"}))
+    gc.set_threshold(700, 10, 1000)  # Python's default: (700, 10, 10)
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # spawned children inherit it
+    sys.meta_path.insert(0, LeaveOut({"flashinfer", "ml_dtypes"}))
     sys.meta_path.insert(0, PatchAfterImport({
         "sglang.srt.models.deepseek_common.attention_backend_handler":
             _route_torch_native_to_absorbed_mla}))
