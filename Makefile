@@ -49,7 +49,7 @@ disk: ## Check, in seconds, that the disk can hold what `make test` builds (scri
 	$(PYTHON) scripts/check_disk.py $(VENV)
 
 # The suite in lanes (tests/<lane>/, docs/testing.md): each has its target; `make test` runs them
-# all, the server lane in one pytest process beside the unit, image and Ansible lanes (which
+# all, the unit and server lanes in one pytest process beside the image and Ansible lanes (which
 # mostly wait on containers) in another; TEST_JOBS=1 runs the two one after the other. The
 # output of each comes in one block when it ends; make fails when either fails.
 TEST_JOBS ?= 2
@@ -73,13 +73,12 @@ test-ansible: prereqs $(STAMP) ## The Ansible lane: real ansible-playbook runs a
 # make test's two processes (set up by make test itself). Keep every server-lane file in the
 # first: two CPU SGLang servers at once on 2 cores cost far more than one after the other (with
 # numerics and make smoke moved to the second process, 2026-12-03: verify's CPU variant 429 ->
-# 843 s, make smoke 76 -> 237 s, make test 48 -> 58 min). The server lane is the longer one
-# (41.6 vs 35.9 min, 2026-12-03), so the unit lane (no server) runs in the second.
+# 843 s, make smoke 76 -> 237 s, make test 48 -> 58 min).
 lanes-host:
-	$(PYTEST) tests/server $(PYTEST_ARGS)
+	$(PYTEST) tests/unit tests/server $(PYTEST_ARGS)
 
 lanes-containers:
-	$(PYTEST) tests/unit tests/image tests/ansible $(PYTEST_ARGS)
+	$(PYTEST) tests/image tests/ansible $(PYTEST_ARGS)
 
 lint: $(STAMP) ## ruff over the package, tests and scripts; the import contract (pyproject.toml)
 	$(VENV)/bin/ruff check hsdump_patch tests scripts
