@@ -73,7 +73,9 @@ test-ansible: prereqs $(STAMP) ## The Ansible lane: real ansible-playbook runs a
 # make test's two processes (set up by make test itself). Keep every server-lane file in the
 # first: two CPU SGLang servers at once on 2 cores cost far more than one after the other (with
 # numerics and make smoke moved to the second process, 2026-12-03: verify's CPU variant 429 ->
-# 843 s, make smoke 76 -> 237 s, make test 48 -> 58 min).
+# 843 s, make smoke 76 -> 237 s, make test 48 -> 58 min). The unit lane in the second process
+# did no better (2026-12-03: make test 46.5 -> 50.6 min; verify 412 -> 596 s beside the longer
+# Ansible tail).
 lanes-host:
 	$(PYTEST) tests/unit tests/server $(PYTEST_ARGS)
 
