@@ -779,7 +779,7 @@ def main(args: argparse.Namespace) -> int:
         max_writer_extra_mib=args.max_writer_extra_mib,
         server_timeout=args.server_timeout,
         # On CPU (f) is a plumbing check with a 0.1 floor: one timed round, not three.
-        throughput_rounds=3 if device == "cuda" else 1,
+        throughput_rounds=Settings.throughput_rounds if device == "cuda" else 1,
         progress=not args.no_progress,
         extra_args=list(args.sglang_args[1:] if args.sglang_args[:1] == ["--"]
                         else args.sglang_args),
