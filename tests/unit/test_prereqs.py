@@ -275,3 +275,31 @@ def test_make_test_checks_free_disk_before_installing():
     assert short.returncode == 1 and "GiB free on the file system of" in short.stderr
     assert "docker system prune" in short.stderr
     assert run(env={**os.environ, "HSDUMP_MIN_FREE_GIB": "0"}).returncode == 0
+
+
+def test_uv_installs_from_where_pips_configuration_points(tmp_path):
+    """`make venv` installs the requirements with uv, which reads no pip.conf: scripts/uv_args.py
+    passes pip's own settings (as `pip config list` reports them: files, then PIP_* variables,
+    the later winning) to uv, and asks for pip's pick of the best version across indexes."""
+    conf = tmp_path / "pip.conf"
+    conf.write_text("[global]\nindex-url = https://mirror.example/simple\n"
+                    "extra-index-url =\n    file:///srv/a/simple\n    file:///srv/b/simple\n"
+                    "constraint = /etc/c.txt\ncert = /etc/ca.crt\n"
+                    "[install]\ntrusted-host = mirror.example\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env.update(PIP_CONFIG_FILE=str(conf), PIP_FIND_LINKS="/srv/wheels /srv/more",
+               PIP_NO_INDEX="1")
+    r = subprocess.run([sys.executable, "scripts/uv_args.py"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=60, check=True)
+    args = r.stdout.split("\n")[:-1]
+    pairs = list(zip(args[:-2:2], args[1:-2:2], strict=True))
+    assert pairs == [("--index-strategy", "unsafe-best-match"),
+                     ("--index-url", "https://mirror.example/simple"),
+                     ("--extra-index-url", "file:///srv/a/simple"),
+                     ("--extra-index-url", "file:///srv/b/simple"),
+                     ("--find-links", "/srv/wheels"), ("--find-links", "/srv/more"),
+                     ("--constraint", "/etc/c.txt"),
+                     ("--allow-insecure-host", "mirror.example")]
+    assert args[-2:] == ["--no-index", "--native-tls"]
+    makefile = (ROOT / "Makefile").read_text()
+    assert "uv pip install -q --python $(PY) $$($(PY) scripts/uv_args.py)" in makefile
