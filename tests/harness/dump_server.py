@@ -53,6 +53,25 @@ def start_dump_server(tmp: Path, model: Path, name: str, *, args: list[str] = ()
     return DumpServer(server, dump_dir, model)
 
 
+# The plain server's sampling seed (--random-seed): seeded sampling is repeatable across servers.
+PLAIN_SEED = 7
+
+
+def start_plain_server(tmp: Path, model: Path, name: str) -> DumpServer:
+    """Start a server WITHOUT the capture (no ``SGLANG_HS_DUMP_DIR``) and WITH SGLang's default
+    radix cache (a configuration the capture refuses), sampling from a generator seeded with
+    ``PLAIN_SEED``; its ``dump_dir`` is never written."""
+    radix_on = [a for a in srv.EXTRACTION_ARGS if a != "--disable-radix-cache"]
+    server = srv.start(model, tmp / f"server-{name}.log", args=["--random-seed", str(PLAIN_SEED)],
+                       extraction_args=radix_on)
+    return DumpServer(server, tmp / f"dump-{name}", model)
+
+
+def prefills(s: DumpServer) -> int:
+    """How many prefill batches the server has logged (its warm-up's included)."""
+    return s.server.log().count("Prefill batch")
+
+
 def eagle3_dump_server(tmp: Path, model: Path, name: str, *, args: list[str] = (),
                        env: dict[str, str] | None = None) -> Iterator[DumpServer]:
     """A dump server (final state on, chunked prefill of CHUNK tokens, SGLang's own EAGLE-3

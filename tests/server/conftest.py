@@ -17,13 +17,15 @@ from tests.harness.dump_server import (
     eagle3_dump_server,
     serving,
     start_dump_server,
+    start_plain_server,
 )
 
 # The session servers. The lane's modules run grouped by the session servers they use (below),
 # and each server is stopped right after the last test that uses it, not at the end of the
 # session: idle CPU servers hold 2-3 GB each, which the image and Ansible lanes, running beside
 # this one in `make test`, need too.
-SESSION_SERVERS = ("llama_server", "deepseek_server", "kimi_server", "qwen3_style_server")
+SESSION_SERVERS = ("llama_server", "deepseek_server", "kimi_server", "qwen3_style_server",
+                   "plain_server")
 # Modules using a server of an earlier group run first; within a group, in file order.
 SERVER_GROUPS = ({"kimi_server", "qwen3_style_server"}, {"deepseek_server"}, {"llama_server"})
 LANE = Path(__file__).parent
@@ -45,16 +47,28 @@ def _servers_of(item: pytest.Item) -> set[str]:
     return set(SESSION_SERVERS) & names
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "first_on(server): the test runs before every other "
+                            "user of that session server (tests/server/conftest.py)")
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Order this lane's modules by :data:`SERVER_GROUPS` (a module's tests keep their order;
-    other lanes' tests keep their places), then note each session server's last user."""
+    other lanes' tests keep their places; a test marked ``first_on(server)`` moves ahead of
+    that server's other users), then note each session server's last user."""
     places = [i for i, item in enumerate(items) if LANE in item.path.parents]
     servers = {items[i].nodeid: _servers_of(items[i]) for i in places}
     used: dict[Path, set[str]] = {}
     for i in places:
         used.setdefault(items[i].path, set()).update(servers[items[i].nodeid])
     lane = sorted((items[i] for i in places), key=lambda item: _group(used[item.path]))
+    for item in [it for it in lane if it.get_closest_marker("first_on")]:
+        name = item.get_closest_marker("first_on").args[0]
+        first = next(it for it in lane if name in servers[it.nodeid])
+        if first is not item:  # run it just before the server's first other user
+            lane.remove(item)
+            lane.insert(lane.index(first), item)
     for i, item in zip(places, lane, strict=True):
         items[i] = item
         for name in servers[item.nodeid]:  # only this lane's tests use its session servers
@@ -137,3 +151,13 @@ def qwen3_style_server(request, tmp_path_factory, sglang_available) -> Iterator[
               "--reasoning-parser", "qwen3", "--tool-call-parser", "qwen25"],
         env={"SGLANG_HS_DUMP_FINAL": "1"},
     )))
+
+
+@pytest.fixture(scope="session")
+def plain_server(request, tmp_path_factory, tiny_models) -> Iterator[DumpServer]:
+    """Tiny Llama without the capture, with the radix cache on and seeded sampling
+    (``start_plain_server``). Its first requests must be test_regenerate.py's seeded sampling,
+    which a second fresh server of the same flags repeats (that test checks it came first)."""
+    tmp = tmp_path_factory.mktemp("plain-server")
+    yield from _shared(request, serving(start_plain_server(tmp, tiny_models / "tiny-llama",
+                                                           "plain")))

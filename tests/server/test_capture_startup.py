@@ -1,6 +1,6 @@
 """Start-up behaviour: bad configuration stops a real server at once with a clear message (one
 launch per failure stage). With ``SGLANG_HS_DUMP_DIR`` unset the plugin installs nothing: asserted
-on tests/server/test_client_extract.py's plain server (radix cache on)."""
+on the lane's plain server (radix cache on; tests/server/conftest.py)."""
 
 from __future__ import annotations
 

@@ -343,27 +343,16 @@ def test_one_samples_local_error_never_stops_a_skip_run(tmp_path, llama_server):
     assert [p for p in out.rglob("*") if ".tmp-" in p.name] == []
 
 
-# The module's last tests: its own server, stopped when the module ends.
-@pytest.fixture(scope="module")
-def radix_server(tmp_path_factory, tiny_models):
-    """Tiny Llama WITHOUT the capture patch (no SGLANG_HS_DUMP_DIR) and WITH SGLang's default
-    radix cache, a configuration the patch refuses when it is on."""
-    tmp = tmp_path_factory.mktemp("radix")
-    radix_on = [a for a in srv.EXTRACTION_ARGS if a != "--disable-radix-cache"]
-    server = srv.start(tiny_models / "tiny-llama", tmp / "server.log", extraction_args=radix_on)
-    yield server
-    server.stop()
-
-
-def test_without_a_dump_dir_the_plugin_installs_nothing(radix_server):
+def test_without_a_dump_dir_the_plugin_installs_nothing(plain_server):
     """Without SGLANG_HS_DUMP_DIR the plugin registers no hook, so even a configuration the
     patch would refuse (the radix cache on) serves normally, a dump-like rid included."""
-    out = radix_server.generate([1, 5, 6, 7], rid="hsdump-x", max_new_tokens=2)
+    out = plain_server.server.generate([1, 5, 6, 7], rid="hsdump-x", max_new_tokens=2)
     assert out["output_ids"]
-    assert "hsdump" not in radix_server.log().replace("hsdump-x", "")
+    assert "hsdump" not in plain_server.server.log().replace("hsdump-x", "")
+    assert not plain_server.dump_dir.exists()
 
 
-def test_cached_tokens_fail_the_sample(tmp_path, llama_server, radix_server):
+def test_cached_tokens_fail_the_sample(tmp_path, llama_server, plain_server):
     """The real misconfiguration behind ``cached_tokens != 0``: ``--dump-dir`` holds the
     server.json of a patched server, while ``--server`` is a plain server of the same model
     with the radix cache on, whose cache other traffic (a decoding request) has filled."""
@@ -371,10 +360,10 @@ def test_cached_tokens_fail_the_sample(tmp_path, llama_server, radix_server):
     dump.mkdir()
     (dump / protocol.SERVER_INFO).write_bytes(
         (llama_server.dump_dir / protocol.SERVER_INFO).read_bytes())
-    plain = SimpleNamespace(url=radix_server.url, dump_dir=dump)
+    plain = SimpleNamespace(url=plain_server.url, dump_dir=dump)
     row = pre_tokenized(1, seed=6, lo=120, hi=120, prefix="c")[0]
     # Prefill-only requests are not inserted into the radix cache; a decoding one is.
-    radix_server.generate(row["input_ids"], max_new_tokens=2)
+    plain_server.server.generate(row["input_ids"], max_new_tokens=2)
     dataset = write_jsonl(tmp_path / "d.jsonl", [row, {**row, "id": "again"}])
     out = tmp_path / "out"
     assert extract(plain, dataset, out, "--on-error", "skip", "--concurrency", "1",

@@ -33,7 +33,7 @@ from hsdump_patch.client.rows.conversation import ThinkMarkers, decode, prompt_i
 from hsdump_patch.client.rows.regen_plan import plan_row
 from hsdump_patch.reader import iter_records
 from tests.harness import server as srv
-from tests.harness.dump_server import start_dump_server
+from tests.harness.dump_server import prefills, start_plain_server
 from tests.harness.rows import CONV, openai_row, sharegpt_row, write_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
@@ -551,29 +551,35 @@ def test_sampled_thinking_turns_follow_the_servers_prompts_then_extract(
 
 
 @pytest.mark.server
-def test_sampled_regeneration_is_reproducible_on_a_seeded_server(tmp_path, tiny_models):
+@pytest.mark.first_on("plain_server")
+def test_sampled_regeneration_is_reproducible_on_a_seeded_server(tmp_path, tiny_models,
+                                                                  plain_server):
     """Seeded sampling. SGLang 0.5.23 honours a request's ``sampling_seed`` (``--seed``) only
     under --enable-deterministic-inference, which it refuses for CPU attention backends
     ("only ascend, fa3, fa4, flashinfer, intel_xpu, triton"); a server started with
-    --random-seed samples from its seeded generator instead. Two fresh servers of one seed
+    --random-seed samples from its seeded generator instead. Two fresh servers of one seed (a
+    new one, then the session's plain server, whose first requests these are: ``first_on``)
     regenerate the same sampled tokens (temperature 1.0, one request at a time), and those are
     not the greedy ones."""
     dataset = write_jsonl(tmp_path / "d.jsonl", [
         openai_row([("user", "What is the capital of France?")], id="a"),
         openai_row(CONV[1:2], id="b")])
     outs = []
-    for n in range(2):
-        s = start_dump_server(tmp_path, tiny_models / "tiny-llama", f"seeded-{n}",
-                              args=["--random-seed", "7"], dump=False)
-        try:
+    fresh = start_plain_server(tmp_path, tiny_models / "tiny-llama", "seeded")
+    try:
+        warmed = prefills(fresh)
+        for n, s in enumerate((fresh, plain_server)):
+            assert prefills(s) == warmed, "the plain server served requests before this test"
             for name, temperature in (("sampled", "1.0"), ("greedy", "0"))[: n + 1]:
                 assert regenerate(s, dataset, tmp_path / f"{name}{n}.jsonl", "--concurrency",
                                   "1", "--temperature", temperature, greedy=False) == 0
-        finally:
-            s.server.stop()
-        rows = read_rows(tmp_path / f"sampled{n}.jsonl")
-        assert all(r[ROW_FIELD]["sampling"]["temperature"] == 1.0 for r in rows)
-        outs.append({r["id"]: r["messages"][-1]["token_ids"] for r in rows})
+            if s is fresh:
+                s.server.stop()
+            rows = read_rows(tmp_path / f"sampled{n}.jsonl")
+            assert all(r[ROW_FIELD]["sampling"]["temperature"] == 1.0 for r in rows)
+            outs.append({r["id"]: r["messages"][-1]["token_ids"] for r in rows})
+    finally:
+        fresh.server.stop()
     assert outs[0] == outs[1]
     greedy = read_rows(tmp_path / "greedy1.jsonl")
     assert outs[0] != {r["id"]: r["messages"][-1]["token_ids"] for r in greedy}
