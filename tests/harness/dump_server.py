@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.harness import server as srv
@@ -25,6 +25,7 @@ class DumpServer:
     server: srv.Server
     dump_dir: Path
     model: Path
+    env: dict[str, str] = field(default_factory=dict)  # the capture's variables it started with
     retired: str | None = None  # why the server was stopped early (a session server)
 
     @property
@@ -50,7 +51,7 @@ def start_dump_server(tmp: Path, model: Path, name: str, *, args: list[str] = ()
     full_env = {"SGLANG_HS_DUMP_DIR": str(dump_dir), "SGLANG_HS_DUMP_FINAL": "0"} if dump else {}
     full_env.update(env or {})
     server = srv.start(model, tmp / f"server-{name}.log", args=list(args), env=full_env, tp=tp)
-    return DumpServer(server, dump_dir, model)
+    return DumpServer(server, dump_dir, model, full_env)
 
 
 # The plain server's sampling seed (--random-seed): seeded sampling is repeatable across servers.

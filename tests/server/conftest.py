@@ -48,15 +48,17 @@ def _servers_of(item: pytest.Item) -> set[str]:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "first_on(server): the test runs before every other "
-                            "user of that session server (tests/server/conftest.py)")
+    for when in ("first", "last"):
+        config.addinivalue_line("markers", f"{when}_on(server): the test is that session "
+                                f"server's {when} user (tests/server/conftest.py)")
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Order this lane's modules by :data:`SERVER_GROUPS` (a module's tests keep their order;
-    other lanes' tests keep their places; a test marked ``first_on(server)`` moves ahead of
-    that server's other users), then note each session server's last user."""
+    other lanes' tests keep their places; a test marked ``first_on(server)`` or
+    ``last_on(server)`` moves ahead of or after that server's other users), then note each
+    session server's last user."""
     places = [i for i, item in enumerate(items) if LANE in item.path.parents]
     servers = {items[i].nodeid: _servers_of(items[i]) for i in places}
     used: dict[Path, set[str]] = {}
@@ -69,6 +71,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if first is not item:  # run it just before the server's first other user
             lane.remove(item)
             lane.insert(lane.index(first), item)
+    for item in [it for it in lane if it.get_closest_marker("last_on")]:
+        name = item.get_closest_marker("last_on").args[0]
+        last = [it for it in lane if name in servers[it.nodeid]][-1]
+        if last is not item:  # run it just after the server's last other user
+            lane.remove(item)
+            lane.insert(lane.index(last) + 1, item)
     for i, item in zip(places, lane, strict=True):
         items[i] = item
         for name in servers[item.nodeid]:  # only this lane's tests use its session servers

@@ -19,7 +19,7 @@ import torch
 from hsdump_patch import protocol
 from hsdump_patch.client.output import records
 from tests.harness import server as srv
-from tests.harness.dump_server import start_dump_server
+from tests.harness.dump_server import CHUNK
 from tests.harness.extraction import extract, pre_tokenized, read_report
 from tests.harness.rows import write_jsonl
 
@@ -43,13 +43,17 @@ def check_records(out: Path, rows: list[dict]) -> None:
         assert rec["input_ids"].tolist() == row["input_ids"]
 
 
+@pytest.mark.last_on("llama_server")
 def test_a_server_killed_and_restarted_mid_run_finishes_every_sample_in_the_same_run(
-        tmp_path, tiny_models):
+        tmp_path, llama_server):
     """SIGKILL the server while a sample is half dumped, restart it on the same port and dump
-    dir: the client re-sends, and the new attempt never meets the old attempt's chunks."""
-    chunk = 32
-    server = start_dump_server(tmp_path, tiny_models / "tiny-llama", "restart",
-                               args=["--chunked-prefill-size", str(chunk)])
+    dir: the client re-sends, and the new attempt never meets the old attempt's chunks. The
+    server is the session's tiny-Llama one at the end of its life (``last_on``), and only this
+    run's request directories are looked at."""
+    server = llama_server
+    dump = server.dump_dir
+    chunk = CHUNK
+    earlier = set(request_dirs(dump))
     try:
         # Short and long prompts, no length a multiple of the chunk: batches mix them, so a
         # prompt's chunk boundaries depend on what shared its batches.
@@ -60,16 +64,15 @@ def test_a_server_killed_and_restarted_mid_run_finishes_every_sample_in_the_same
         dataset = write_jsonl(tmp_path / "d.jsonl", rows)
         out = tmp_path / "out"
         proc = subprocess.Popen(
-            extract_cmd(server, dataset, out, "--concurrency", "6", "--allow-no-final",
-                        "--retries", "12", "--retry-wait", "0.5", "--dump-timeout", "120"),
+            extract_cmd(server, dataset, out, "--concurrency", "6", "--retries", "12",
+                        "--retry-wait", "0.5", "--dump-timeout", "120"),
             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        dump = server.dump_dir
         deadline = time.monotonic() + 300
         while True:  # a request half dumped, at a boundary that is not a multiple of the chunk
             assert proc.poll() is None, proc.stdout.read()
             assert time.monotonic() < deadline, "no sample was ever caught half dumped"
             half = []
-            for name in request_dirs(dump) if dump.exists() else []:
+            for name in set(request_dirs(dump)) - earlier:
                 files = set(os.listdir(dump / name)) if (dump / name).exists() else set()
                 starts = [int(f[6:16]) for f in files if f.startswith("chunk-")]
                 if not {"done.json", "error.json"} & files and any(p % chunk for p in starts):
@@ -79,10 +82,10 @@ def test_a_server_killed_and_restarted_mid_run_finishes_every_sample_in_the_same
             time.sleep(0.005)
         os.killpg(server.server.proc.pid, signal.SIGKILL)
         server.server.proc.wait()
-        env = {"SGLANG_HS_DUMP_DIR": str(dump), "SGLANG_HS_DUMP_FINAL": "0"}
-        log = tmp_path / "server-restart-2.log"
-        again = srv.Server(srv.launch(server.model, log, args=server.server.args, env=env),
-                           server.url, log, server.server.args)
+        log = tmp_path / "server-restart.log"
+        again = srv.Server(srv.launch(server.model, log, args=server.server.args,
+                                      env=server.env),
+                           server.server.url, log, server.server.args)
         server.server = again
         try:
             output, _ = proc.communicate(timeout=420)
@@ -92,7 +95,7 @@ def test_a_server_killed_and_restarted_mid_run_finishes_every_sample_in_the_same
         rep = read_report(out)
         assert (rep["ok"], rep["failed"]) == (len(rows), 0), rep["issues"]
         check_records(out, rows)
-        assert request_dirs(dump) == []
+        assert set(request_dirs(dump)) - earlier == set()
     finally:
         server.server.stop()
 
