@@ -133,13 +133,16 @@ def deepseek_server(request, tmp_path_factory, tiny_models) -> Iterator[DumpServ
 @pytest.fixture(scope="session")
 def kimi_server(request, tmp_path_factory, tiny_kimi) -> Iterator[DumpServer]:
     """The tiny Kimi-K2.5 served text-only as SGLang serves it (``language_model_only``,
-    Kimi's custom tokenizer code), float32, dump on with the final state, chunked prefill."""
+    Kimi's custom tokenizer code), float32, dump on with the final state, chunked prefill.
+    SGLang's torch.compile'd MoE top-k and rotary helpers run eagerly: in float32 that changes
+    nothing the tests bound, and spares this cold server ~30 s of gcc (the bfloat16 DeepSeek
+    server keeps them compiled: tests/harness/cpu_shim/sitecustomize.py says why)."""
     tmp = tmp_path_factory.mktemp("kimi-server")
     yield from _shared(request, serving(start_dump_server(
         tmp, tiny_kimi[0], "tiny-kimi-k25",
         args=["--chunked-prefill-size", str(CHUNK), "--dtype", "float32", "--trust-remote-code",
               "--json-model-override-args", json.dumps({"language_model_only": True})],
-        env={"SGLANG_HS_DUMP_FINAL": "1"},
+        env={"SGLANG_HS_DUMP_FINAL": "1", "TORCHDYNAMO_DISABLE": "1"},
     )))
 
 
