@@ -4,6 +4,7 @@ pre-tokenized rows, and the relative error the record-vs-HF checks use."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import torch
 
 from hsdump_patch.cli import main as cli
+from tests.harness import server as srv
 from tests.harness.server import REPO
 
 # ||record - HF|| / ||HF|| per layer: SGLang's CPU kernels and HF's eager bf16 path round
@@ -43,8 +45,11 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def make_smoke(tmp_path: Path, *variables: str) -> subprocess.CompletedProcess:
-    """``make smoke SMOKE_DIR=tmp_path VARIABLES...`` in the repository."""
+    """``make smoke SMOKE_DIR=tmp_path VARIABLES...`` in the repository; a server it starts
+    shares this test run's torch.compile cache (its tiny DeepSeek-V3 is the lane's, whose
+    compiled helpers are then built once, not again by gcc)."""
     # -o: the venv stamp counts as fresh (`make test` has just built it; never reinstall here).
     return subprocess.run(["make", "-o", ".venv/.hsdump-installed", "smoke",
                            f"SMOKE_DIR={tmp_path}", *variables], cwd=REPO, capture_output=True,
-                          text=True, timeout=900)
+                          text=True, timeout=900,
+                          env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": srv.inductor_cache()})

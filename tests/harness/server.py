@@ -27,8 +27,15 @@ CPU_ARGS = [*_launch.CPU_ARGS, "--host", "127.0.0.1"]
 # What the capture patch requires (what `hsdump serve` always passes).
 EXTRACTION_ARGS = list(REQUIRED_ARGS)
 
-__all__ = ["CPU_ARGS", "CPU_SHIM", "EXTRACTION_ARGS", "Server", "cpu_env", "free_port", "launch",
-           "run_until_exit", "start"]
+__all__ = ["CPU_ARGS", "CPU_SHIM", "EXTRACTION_ARGS", "Server", "cpu_env", "free_port",
+           "inductor_cache", "launch", "run_until_exit", "start"]
+
+
+def inductor_cache() -> str:
+    """torch.compile's on-disk cache for this test run's servers. It is not safe across
+    concurrent processes (an importer can read a half-written .so): one cache per test run
+    (pytest process), shared by its servers in sequence."""
+    return os.path.join(tempfile.gettempdir(), f"hsdump-inductor-{os.getpid()}")
 
 
 def cpu_env(extra: dict[str, str] | None = None, tp: int = 1) -> dict[str, str]:
@@ -42,10 +49,7 @@ def cpu_env(extra: dict[str, str] | None = None, tp: int = 1) -> dict[str, str]:
     # Nothing to diagnose on a stopped CPU server: without this, SGLang's parent sleeps 5 s
     # ("before crash diagnostics", py-spy and CUDA core dumps) at every stop.
     env["SGLANG_PYSPY_DUMP_BEFORE_CRASH"] = env["SGLANG_CUDA_COREDUMP_BEFORE_CRASH"] = "0"
-    # torch.compile's on-disk cache is not safe across concurrent processes (an importer can
-    # read a half-written .so): one cache per test run, shared by its servers in sequence.
-    env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(),
-                                                  f"hsdump-inductor-{os.getpid()}")
+    env["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache()
     if tp > 1:
         # One NUMA node: bind one core per rank; no NCCL on CPU: fall back to gloo.
         cores = os.cpu_count() or 1
