@@ -29,8 +29,7 @@ $(STAMP): export UV_NO_CACHE = 1
 $(STAMP): pyproject.toml requirements-test.txt scripts/uv_args.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip uv==$(UV_VERSION)
-	$(VENV)/bin/uv pip install -q --python $(PY) $$($(PY) scripts/uv_args.py) \
-	  -r requirements-test.txt
+	$(VENV)/bin/uv pip install -q --python $(PY) -r requirements-test.txt $$($(PY) scripts/uv_args.py)
 	$(PY) -m pip install -q --no-deps -e .
 	$(PY) -W ignore -c 'import compileall, sysconfig; \
 	  compileall.compile_dir(sysconfig.get_path("purelib"), quiet=2, workers=0)'
