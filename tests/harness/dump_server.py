@@ -25,7 +25,7 @@ class DumpServer:
     server: srv.Server
     dump_dir: Path
     model: Path
-    env: dict[str, str] = field(default_factory=dict)  # the capture's variables it started with
+    env: dict[str, str] = field(default_factory=dict)  # what it started with beyond cpu_env
     retired: str | None = None  # why the server was stopped early (a session server)
 
     @property
