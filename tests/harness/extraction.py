@@ -13,7 +13,6 @@ import torch
 
 from hsdump_patch.cli import main as cli
 from tests.harness import server as srv
-from tests.harness.server import REPO
 
 # ||record - HF|| / ||HF|| per layer: SGLang's CPU kernels and HF's eager bf16 path round
 # differently (measured up to ~4e-3 on the tiny Llama).
@@ -50,6 +49,6 @@ def make_smoke(tmp_path: Path, *variables: str) -> subprocess.CompletedProcess:
     compiled helpers are then built once, not again by gcc)."""
     # -o: the venv stamp counts as fresh (`make test` has just built it; never reinstall here).
     return subprocess.run(["make", "-o", ".venv/.hsdump-installed", "smoke",
-                           f"SMOKE_DIR={tmp_path}", *variables], cwd=REPO, capture_output=True,
+                           f"SMOKE_DIR={tmp_path}", *variables], cwd=srv.REPO, capture_output=True,
                           text=True, timeout=900,
                           env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": srv.inductor_cache()})

@@ -52,7 +52,6 @@ def test_a_server_killed_and_restarted_mid_run_finishes_every_sample_in_the_same
     run's request directories are looked at."""
     server = llama_server
     dump = server.dump_dir
-    chunk = CHUNK
     earlier = set(request_dirs(dump))
     try:
         # Short and long prompts, no length a multiple of the chunk: batches mix them, so a
@@ -75,7 +74,7 @@ def test_a_server_killed_and_restarted_mid_run_finishes_every_sample_in_the_same
             for name in set(request_dirs(dump)) - earlier:
                 files = set(os.listdir(dump / name)) if (dump / name).exists() else set()
                 starts = [int(f[6:16]) for f in files if f.startswith("chunk-")]
-                if not {"done.json", "error.json"} & files and any(p % chunk for p in starts):
+                if not {"done.json", "error.json"} & files and any(p % CHUNK for p in starts):
                     half.append(name)
             if half:
                 break
