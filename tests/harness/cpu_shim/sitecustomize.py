@@ -17,6 +17,13 @@ SGLang whole, 12-20 s of CPU apiece on the 2-core CI machine):
 - The collector's oldest generation is swept 100x less often: the import builds ~10^6
   long-lived objects, and each full sweep walks them all (~10-20% of the import).
 
+One OpenMP thread per process (unless ``OMP_NUM_THREADS`` says otherwise): a CPU test server runs
+beside other work on the 2-core CI machine (the other lanes, a TP 2 server's other rank), where
+a 2-thread pool waits at every parallel region for its preempted second thread, spinning. The
+Kimi chat-faithful test beside a one-core busy loop (2026-12-03): 382 s of wall and 379 s of CPU
+with torch's default 2 threads, 125 s and 123 s with one. On an idle machine a TP 1 prefill is
+about half as fast with one thread (``hsdump verify``'s CPU variant: 199 -> 103 tokens/s).
+
 ``torch.compile`` stays on, although SGLang's compiled MoE top-k and rotary helpers cost a cold
 DeepSeek or Kimi server 30-40 s of gcc before its warm-up answers (the servers of one test run
 share an inductor cache, ``cpu_env``): run eagerly in bfloat16 they round at every step, and
@@ -90,6 +97,7 @@ class LeaveOut(importlib.abc.MetaPathFinder):
 
 
 if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # read when torch loads its OpenMP runtime
     gc.set_threshold(700, 10, 1000)  # Python's default: (700, 10, 10)
     sys.meta_path.insert(0, LeaveOut({"flashinfer", "ml_dtypes"}))
     sys.meta_path.insert(0, PatchAfterImport({
