@@ -83,12 +83,14 @@ def expected_shm_kib() -> int:
     return math.ceil(need / 4096) * 4
 
 
+def _is_shm_entry(line: str) -> bool:
+    """An fstab line that mounts /dev/shm (not a comment)."""
+    fields = line.split()
+    return len(fields) >= 4 and not line.lstrip().startswith("#") and fields[1] == "/dev/shm"
+
+
 def fstab_shm_line() -> str | None:
-    for line in Path("/etc/fstab").read_text().splitlines():
-        fields = line.split()
-        if len(fields) >= 4 and not line.lstrip().startswith("#") and fields[1] == "/dev/shm":
-            return line
-    return None
+    return next(filter(_is_shm_entry, Path("/etc/fstab").read_text().splitlines()), None)
 
 
 # ----------------------------------------------------------------------------- static checks
@@ -409,8 +411,7 @@ def test_shm_grown_persisted_and_idempotent(ansible, host_shm):
     # counted below are then the role's own, whatever an earlier job left in fstab.
     fstab = Path("/etc/fstab")
     lines = fstab.read_text().splitlines(keepends=True) if fstab.exists() else []
-    before = "".join(line for line in lines
-                     if line.split()[1:2] != ["/dev/shm"])
+    before = "".join(line for line in lines if not _is_shm_entry(line))
     fstab.write_text(before)
     first = ansible.playbook(CASES / "shm.yml", ONE_HOST)
     first.assert_ok("hsdump_shm")
