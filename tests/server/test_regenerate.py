@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import requests
@@ -29,11 +30,12 @@ from hsdump_patch.client.regenerate import (
     RegenSettings,
     split_reasoning,
 )
-from hsdump_patch.client.rows.conversation import ThinkMarkers, decode, prompt_ids
+from hsdump_patch.client.rows.conversation import ThinkMarkers, decode, encode, prompt_ids
 from hsdump_patch.client.rows.regen_plan import plan_row
 from hsdump_patch.reader import iter_records
 from tests.harness import server as srv
 from tests.harness.dump_server import prefills, start_plain_server
+from tests.harness.extraction import extract, read_report
 from tests.harness.rows import CONV, openai_row, sharegpt_row, write_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
@@ -548,6 +550,53 @@ def test_sampled_thinking_turns_follow_the_servers_prompts_then_extract(
         assert regen.prompt(msgs[:k], None)[0] == served, k
         assert recs[sid]["input_ids"].tolist() == served + msgs[k]["token_ids"], k
 
+
+def _non_canonical(tok: Any, text: str) -> list[int]:
+    """Ids that decode to ``text`` but are not its encoding: its first token of several
+    characters split in two tokens of the vocabulary."""
+    ids = encode(tok, text)
+    vocab = tok.get_vocab()
+    for n, piece in enumerate(tok.convert_ids_to_tokens(ids)):
+        for cut in range(1, len(piece)):
+            if piece[:cut] in vocab and piece[cut:] in vocab:
+                return [*ids[:n], vocab[piece[:cut]], vocab[piece[cut:]], *ids[n + 1:]]
+    raise AssertionError(f"no token of {text!r} splits in two")
+
+
+@pytest.mark.server
+def test_auto_gives_per_turn_samples_when_regenerated_ids_are_not_the_texts_encoding(
+        tmp_path, llama_server, tokenizer):
+    """A regenerated turn whose ``token_ids`` decode to its text but are not the encoding of it
+    (sampling can emit such a split): the later turn's served prompt re-encodes that text, so
+    no one-stream sample follows the server's prompts. ``--multi-turn auto`` with the server
+    prompt check gives per-turn samples instead of skipping the row: each after exactly the
+    prompt the server serves for its turn, the regenerated ids verbatim."""
+    text = "Paris is the capital of France."
+    gen = [*_non_canonical(tokenizer, text), tokenizer.eos_token_id]
+    assert decode(tokenizer, gen) == text + tokenizer.eos_token
+    assert encode(tokenizer, text + tokenizer.eos_token) != gen
+    msgs = [{"role": "user", "content": "What is the capital of France?"},
+            {"role": "assistant", "content": text, "token_ids": gen},
+            {"role": "user", "content": "And of Spain?"},
+            {"role": "assistant", "content": "Madrid is the capital of Spain."}]
+    dataset = write_jsonl(tmp_path / "d.jsonl", [{"id": "split", "messages": msgs}])
+    out = tmp_path / "out"
+    rc = extract(llama_server, dataset, out, "--multi-turn", "auto", "--prompt-check", "server")
+    report = read_report(out)
+    assert rc == 0, report["issues"]
+    assert (report["ok"], report["skipped"], report["failed"]) == (2, 0, 0)
+    assert report["per_turn_fallbacks"] == 1 and report["fallback_rows"] == ["split"]
+    assert report["prompts_checked_by_server"] == 2  # turn 1 asked once, not once per sample
+    recs = dict(iter_records(out))
+    assert sorted(recs) == ["split", "split#3"]
+    served = {k: _served_prompt(llama_server, msgs[:k], None, None) for k in (1, 3)}
+    # Turn 3's served prompt holds turn 1 re-encoded, not as generated: no one stream.
+    assert served[3][:len(served[1]) + len(gen)] != served[1] + gen
+    answer = encode(tokenizer, msgs[3]["content"] + tokenizer.eos_token)
+    for k, sid, completion in ((1, "split", gen), (3, "split#3", answer)):
+        ids, mask = recs[sid]["input_ids"].tolist(), recs[sid]["loss_mask"].tolist()
+        assert ids == served[k] + completion, k
+        assert mask == [0] * len(served[k]) + [1] * len(completion), k
 
 
 @pytest.mark.server

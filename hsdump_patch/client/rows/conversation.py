@@ -598,21 +598,32 @@ class ChatRenderer:
         last = turns[-1]
         last_prompt = self.prompt_text(conv, last)
         last_completion = self._completion(conv, last, last_prompt)
-        single = None
         if self.policy == "auto" and len(turns) > 1:
             single = self._single(conv, turns, last_prompt, last_completion)
-        out = [single] if single is not None else []
-        for n, k in enumerate(turns if single is None else ()):
+            try:
+                if single is not None:
+                    return self._checked(conv, [single])
+            except ConversationError:
+                # A later turn's served prompt re-encodes the earlier turns' text, which differs
+                # from the stream when a regenerated turn's ids are not the canonical split of
+                # its text: each turn after its own served prompt is still faithful.
+                pass
+        out = []
+        for n, k in enumerate(turns):
             prompt = last_prompt if k == last else self.prompt_text(conv, k)
             _, c_ids = last_completion if k == last else self._completion(conv, k, prompt)
             p_ids = encode(self.tokenizer, prompt)
             out.append(TurnSample("" if n == 0 else f"#{k}", p_ids + c_ids,
                                   [0] * len(p_ids) + [1] * len(c_ids), ((k, len(p_ids)),)))
+        return self._checked(conv, out)
+
+    def _checked(self, conv: Conversation, samples: list[TurnSample]) -> list[TurnSample]:
+        """``samples``, once every trained turn's prompt passed the server check (if any)."""
         if self.check is not None:
-            for sample in out:
+            for sample in samples:
                 for k, n in sample.prompts:
                     self.check(conv, k, sample.input_ids[:n])
-        return out
+        return samples
 
     def _single(self, conv: Conversation, turns: list[int], last_prompt: str,
                 last_completion: tuple[str, list[int]]) -> TurnSample | None:

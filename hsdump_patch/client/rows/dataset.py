@@ -202,7 +202,9 @@ def _pretokenized(obj: dict[str, Any], where: str) -> tuple[list[int], list[int]
 # Why ``auto`` gave per-turn samples (ChatRenderer._single's cases).
 FALLBACK_REASON = ("the turns' serving prompts are not provably token prefixes of one stream "
                    "(the template rewrites or drops past turns, a boundary is not a token "
-                   "boundary, or a message quotes a turn marker)")
+                   "boundary, a message quotes a turn marker, or a regenerated turn's ids are "
+                   "not its text's own encoding, so the server serves later turns another "
+                   "prompt)")
 
 
 def _chat(obj: dict[str, Any], renderer: ChatRenderer | None,

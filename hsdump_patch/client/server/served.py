@@ -27,22 +27,30 @@ def request_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]
 
 class ServedPrompts:
     """Checks each trained turn's prompt ids against the server's own rendering of the turn's
-    request; counts the turns checked."""
+    request; counts the turns checked. The server's answers for the conversation last asked
+    about are kept, so a turn checked twice (``auto``'s one stream, then its per-turn fallback)
+    is asked and counted once."""
 
     def __init__(self, tokenize: Tokenize, template_kwargs: dict[str, Any] | None) -> None:
         self.tokenize = tokenize
         self.template_kwargs = dict(template_kwargs or {}) or None
         self.checked = 0
+        self._conv: Conversation | None = None
+        self._served: dict[int, list[int]] = {}
 
     def served(self, conv: Conversation, k: int) -> list[int]:
         """The prompt ids the server serves for the messages before ``k``."""
-        return self.tokenize(request_messages((conv.request or conv.messages)[:k]), conv.tools,
-                             self.template_kwargs)
+        if conv is not self._conv:
+            self._conv, self._served = conv, {}
+        if k not in self._served:
+            self._served[k] = self.tokenize(request_messages((conv.request or conv.messages)[:k]),
+                                            conv.tools, self.template_kwargs)
+            self.checked += 1
+        return self._served[k]
 
     def __call__(self, conv: Conversation, k: int, ids: list[int]) -> None:
         """Raise ConversationError when ``ids`` are not the server's prompt of turn ``k``."""
         served = self.served(conv, k)
-        self.checked += 1
         if served == ids:
             return
         at = next((i for i, (a, b) in enumerate(zip(ids, served, strict=False)) if a != b),
