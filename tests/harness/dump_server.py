@@ -4,6 +4,7 @@ it), the prefill chunk size the dump servers use, and random token prompts."""
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +53,18 @@ def start_dump_server(tmp: Path, model: Path, name: str, *, args: list[str] = ()
     full_env.update(env or {})
     server = srv.start(model, tmp / f"server-{name}.log", args=list(args), env=full_env, tp=tp)
     return DumpServer(server, dump_dir, model, full_env)
+
+
+# A line the capture plugin wrote to a server log: every message of its "hsdump" logger, and its
+# refusals, start "hsdump: "; its writer process also prefixes each line. Not the bare word,
+# which a server log holds in any path of a checkout named hsdump (SGLang's warnings name their
+# file) and in a dump-like rid.
+PLUGIN_LOG = re.compile(r"(?<![\w./-])hsdump: |hsdump writer process ")
+
+
+def plugin_log_lines(log: str) -> list[str]:
+    """The lines of ``log`` (a server's) that the capture plugin wrote."""
+    return [line for line in log.splitlines() if PLUGIN_LOG.search(line)]
 
 
 # The plain server's sampling seed (--random-seed): seeded sampling is repeatable across servers.

@@ -26,6 +26,7 @@ from hsdump_patch.cli import main as cli
 from hsdump_patch.client.dumps.dumpdir import wait_for_marker
 from hsdump_patch.client.output import records
 from tests.harness import server as srv
+from tests.harness.dump_server import plugin_log_lines
 from tests.harness.extraction import (
     REL_TOL,
     extract,
@@ -345,10 +346,12 @@ def test_one_samples_local_error_never_stops_a_skip_run(tmp_path, llama_server):
 
 def test_without_a_dump_dir_the_plugin_installs_nothing(plain_server):
     """Without SGLANG_HS_DUMP_DIR the plugin registers no hook, so even a configuration the
-    patch would refuse (the radix cache on) serves normally, a dump-like rid included."""
+    patch would refuse (the radix cache on) serves normally, a dump-like rid included, and
+    the plugin neither logs (its own "hsdump: " messages, not the bare word a checkout's path
+    holds) nor writes a dump dir (server.json, request dirs)."""
     out = plain_server.server.generate([1, 5, 6, 7], rid="hsdump-x", max_new_tokens=2)
     assert out["output_ids"]
-    assert "hsdump" not in plain_server.server.log().replace("hsdump-x", "")
+    assert plugin_log_lines(plain_server.server.log()) == []
     assert not plain_server.dump_dir.exists()
 
 

@@ -94,3 +94,64 @@ def test_every_script_imports(monkeypatch):
         except Exception as e:
             failed[path.name] = f"{type(e).__name__}: {e}"
     assert failed == {}
+
+
+def bare_word_checks(root: Path) -> list[str]:
+    """``"hsdump" in`` / ``not in`` tests in the test sources (tests/**/*.py): a server log holds
+    the bare word in any path of a checkout named hsdump, so such a check of a log fails (or
+    passes vacuously) in that checkout; check for what the plugin itself logs instead
+    (tests/harness/dump_server.py: ``plugin_log_lines``)."""
+    found = []
+    for path in sorted((root / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Compare) and isinstance(node.left, ast.Constant)
+                    and node.left.value == "hsdump"
+                    and any(isinstance(op, ast.In | ast.NotIn) for op in node.ops)):
+                found.append(f"{path.relative_to(root)}:{node.lineno}")
+    return found
+
+
+def test_no_test_looks_for_the_bare_word_hsdump():
+    assert bare_word_checks(ROOT) == []
+
+
+def test_a_bare_word_check_is_found(tmp_path):
+    (tmp_path / "tests" / "server").mkdir(parents=True)
+    (tmp_path / "tests" / "server" / "test_a.py").write_text(
+        'def test_x(s):\n    assert "hsdump" not in s.log().replace("hsdump-x", "")\n'
+        "    assert 'hsdump' in s.log()\n    assert \"hsdump: \" not in s.log()\n")
+    assert bare_word_checks(tmp_path) == ["tests/server/test_a.py:2", "tests/server/test_a.py:3"]
+
+
+def plugin_log_messages(root: Path) -> list[str]:
+    """The leading literal text of every logging call in the capture package (the plugin)."""
+    levels = {"debug", "info", "warning", "error", "exception", "critical"}
+    found = []
+    for path in sorted((root / "hsdump_patch" / "capture").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            f = node.func
+            if (isinstance(f, ast.Attribute) and f.attr in levels and isinstance(f.value, ast.Name)
+                    and f.value.id == "logger") or (isinstance(f, ast.Name) and f.id == "log"):
+                first = node.args[0]
+                if isinstance(first, ast.JoinedStr):
+                    first = first.values[0]
+                found.append(first.value if isinstance(first, ast.Constant) else
+                             f"{path.name}:{node.lineno}: not a literal")
+    return found
+
+
+def test_the_plugin_log_pattern_matches_every_message_of_the_plugin():
+    """What the server lane looks for in a log (``PLUGIN_LOG``) is each message the capture
+    logs, and not a checkout's path nor a dump-like rid."""
+    from tests.harness.dump_server import PLUGIN_LOG, plugin_log_lines
+
+    messages = plugin_log_messages(ROOT)
+    assert len(messages) >= 20
+    assert [m for m in messages if not PLUGIN_LOG.match(m)] == []
+    log = ("/src/hsdump/.venv/lib/python3.11/site-packages/sglang/launch_server.py:71: "
+           "UserWarning: x\n[2026-01-01 00:00:00] rid=hsdump-x /tmp/hsdump: done\n"
+           "[2026-01-01 00:00:00 TP0] hsdump: capturing the residual stream\n")
+    assert plugin_log_lines(log) == ["[2026-01-01 00:00:00 TP0] hsdump: capturing the residual "
+                                     "stream"]
