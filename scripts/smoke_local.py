@@ -4,10 +4,8 @@
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -15,25 +13,10 @@ sys.path.insert(0, str(REPO))
 
 from hsdump_patch.ops import launch, verify_model  # noqa: E402 - the repo root first
 from hsdump_patch.ops.serve import REQUIRED_ARGS  # noqa: E402
-from hsdump_patch.protocol import ENV_DIR, ENV_FINAL  # noqa: E402
+from scripts.cpu_server import server_env  # noqa: E402
 
-# The CPU stand-ins SGLang 0.5.23 needs without a GPU (sgl_kernel, the CPU MLA fix).
-CPU_SHIM = REPO / "tests" / "harness" / "cpu_shim"
 # Small prefill chunks, so the smoke's long prompt is dumped in several chunks.
 SERVER_ARGS = ["--chunked-prefill-size", "32"]
-
-
-def server_env(dump: Path) -> dict[str, str]:
-    """This environment, with SGLang's CPU engine, the CPU stand-ins and the dump (final state
-    included) on."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CPU_SHIM), env.get("PYTHONPATH")) if p)
-    env["SGLANG_USE_CPU_ENGINE"] = "1"
-    # torch.compile's shared on-disk cache is not safe across concurrent processes: our own.
-    env.setdefault("TORCHINDUCTOR_CACHE_DIR",
-                   os.path.join(tempfile.gettempdir(), f"hsdump-inductor-{os.getpid()}"))
-    env[ENV_DIR], env[ENV_FINAL] = str(dump), "1"
-    return env
 
 
 def main() -> int:
