@@ -58,6 +58,7 @@ class RidState:
     marker_written: bool = False  # done, or the first error (a later error changes nothing)
     superseded: bool = False  # a newer attempt of the rid began: this one writes no marker
     dir_made: bool = False  # its directory exists (made by a writer thread for this attempt)
+    tag: int = 0  # the caller's name for this attempt (the writer process's), for ``marked``
 
 
 @dataclass
@@ -88,12 +89,15 @@ class FileWriter:
 
     ``release(pages)`` gives written pages back to their owner; ``bind()`` runs first in each
     thread (the CUDA device binding); ``settled()`` runs after each call of :meth:`begin_request`,
-    :meth:`fail` or :meth:`add` has had its full effect (a job: written, marker included)."""
+    :meth:`fail` or :meth:`add` has had its full effect (a job: written, marker included);
+    ``marked(tag, done)`` runs once an attempt's marker is written (before its ``settled()``),
+    with the ``tag`` last given for the attempt to :meth:`add` or :meth:`fail`."""
 
     def __init__(self, dump_dir: Path, *, threads: int, page_bytes: int,
                  release: Callable[[Sequence[Page]], None],
                  bind: Callable[[], None] | None = None,
-                 settled: Callable[[], None] | None = None) -> None:
+                 settled: Callable[[], None] | None = None,
+                 marked: Callable[[int, bool], None] | None = None) -> None:
         self.dump_dir = Path(dump_dir)
         self.page_bytes = page_bytes
         self.stats = FileStats()
@@ -102,6 +106,7 @@ class FileWriter:
         self._release = release
         self._bind = bind
         self._settled = settled or (lambda: None)
+        self._marked = marked or (lambda tag, done: None)
         self._umask_owner_ok = umask_keeps_owner_bits()
         self._lock = threading.Lock()
         self._rids: OrderedDict[str, RidState] = OrderedDict()
@@ -135,20 +140,20 @@ class FileWriter:
             return state is not None and state.error is not None
 
     def fail(self, rid: str, reason: str | None, prompt_len: int | None,
-             internal: bool = False) -> None:
+             internal: bool = False, tag: int = 0) -> None:
         """Record ``reason`` (None: keep the earlier one) and the prompt length, then finish
-        (``internal``: also count an internal error)."""
+        (``internal``: also count an internal error; ``tag``: see the class)."""
         if internal:
             with self._lock:
                 self.stats.internal_errors += 1
-        self._fail(rid, self._rid_state(rid), reason, prompt_len)
+        self._fail(rid, self._rid_state(rid, tag), reason, prompt_len)
         self._settled()
 
     def add(self, rid: str, prefix_len: int, tokens: int, prompt_len: int | None,
-            pages: Sequence[Page], nbytes: int, ready: Ready | None) -> None:
+            pages: Sequence[Page], nbytes: int, ready: Ready | None, tag: int = 0) -> None:
         """Queue one chunk file whose bytes are (or, once ``ready``, will be) in ``pages``.
         A chunk of a failed request is dropped (its pages go back once the copy is done)."""
-        state = self._rid_state(rid)
+        state = self._rid_state(rid, tag)
         with self._lock:
             failed = state.error is not None
             if not failed:
@@ -196,13 +201,15 @@ class FileWriter:
 
     # ---------------------------------------------------------------- internals
 
-    def _rid_state(self, rid: str) -> RidState:
+    def _rid_state(self, rid: str, tag: int = 0) -> RidState:
         with self._lock:
             state = self._rids.get(rid)
             if state is None:
                 state = self._rids[rid] = RidState()
                 while len(self._rids) > MAX_TRACKED_RIDS:  # aborted requests never finish
                     self._rids.popitem(last=False)
+            if tag:
+                state.tag = tag
             return state
 
     def _worker(self) -> None:
@@ -337,6 +344,8 @@ class FileWriter:
             with self._lock:
                 self.stats.internal_errors += 1
             logger.exception("hsdump: could not write %s for %s", marker, rid)
+            return
+        self._marked(state.tag, marker == protocol.DONE_MARKER)
 
 
 def umask_keeps_owner_bits() -> bool:

@@ -15,12 +15,22 @@ Shared state, beside the pages (written by one side each, read by the other):
 * one byte per page: 0 the forward's process owns it, 1 staged (a copy may still be landing),
   3 sent to the child, 2 written and released by the child (the forward's process takes it
   back to 0 when it needs pages);
-* the child's counters (:data:`COUNTERS`), published after every message it has fully handled.
+* the child's counters (:data:`COUNTERS`), published after every message it has fully handled;
+* a ring of the child's marker reports: each request attempt handed to the child has a ticket
+  (in its messages); once the child has written an attempt's marker it reports the ticket
+  (negated for an error marker). The forward's process reads them when it next asks
+  :meth:`ProcessFiles.failed` (and when the child dies): a done attempt is forgotten, a failed
+  one's later chunks are not staged.
+
+The child ignores SIGINT, SIGTERM and SIGHUP (it shares the server's process group, which a
+Ctrl-C or a launcher signals): it leaves on its pipe's EOF (the parent closed it or died), once
+it has written every file and marker of what it was sent.
 
 A dead child (killed, crashed) is seen by a monitor thread (``waitpid``) and by a failed pipe
 write: from then on every chunk fails its request with a clear error marker written by the
-forward's process, the pages the child held are taken back, every request sent to the child
-that has no marker gets an error marker, and ``status.json`` reports it. Serving continues.
+forward's process, the pages the child held are taken back, every request attempt handed to
+the child that it has not reported marked gets an error marker, and ``status.json`` reports
+it. Serving continues.
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ import mmap
 import os
 import pickle
 import queue
+import signal
 import struct
 import subprocess
 import sys
@@ -49,11 +60,14 @@ from hsdump_patch.capture.files import FileStats, FileWriter, Page, Ready
 logger = logging.getLogger("hsdump")
 
 COUNTERS = ("settled", "tracked_requests", *FileStats.__dataclass_fields__)
-CTRL_BYTES = 1 << 20  # counters + one state byte per page (the data starts after)
-_STATE_AT = 4096
+CTRL_BYTES = 1 << 20  # counters, reports + one state byte per page (the data starts after)
+_REPORTED_AT = 2048  # int64: how many marker reports the child has published
+_REPORTS_AT = 4096  # int64 ring: report i at i % _REPORTS, +ticket (done) or -ticket (error)
+_REPORTS = 8192
+_STATE_AT = _REPORTS_AT + 8 * _REPORTS
 FREE, STAGED, RELEASED, SENT = 0, 1, 2, 3
 _FRAME = struct.Struct("<Q")
-_SENT_RIDS = 4096  # requests remembered to give an error marker to if the child dies
+_SENT_RIDS = 4096  # request attempts remembered (an error marker if the child dies first)
 
 
 @dataclass
@@ -72,6 +86,8 @@ class SharedRegion:
         self.size = CTRL_BYTES + pages * page_bytes
         self.mm = mmap.mmap(fd, self.size)
         self.counters = np.frombuffer(self.mm, np.int64, len(COUNTERS), 0)
+        self.reported = np.frombuffer(self.mm, np.int64, 1, _REPORTED_AT)
+        self.reports = np.frombuffer(self.mm, np.int64, _REPORTS, _REPORTS_AT)
         self.state = np.frombuffer(self.mm, np.uint8, pages, _STATE_AT)
         self.data = np.frombuffer(self.mm, np.uint8, pages * page_bytes, CTRL_BYTES)
 
@@ -91,6 +107,15 @@ class SharedRegion:
 # ------------------------------------------------------------------ the forward's process
 
 
+@dataclass
+class _Attempt:
+    """A request attempt handed to the child, until the child reports its done marker."""
+
+    ticket: int
+    failed: bool = False  # failed here, or the child wrote its error marker
+    marked: bool = False  # the child wrote its error marker
+
+
 class ProcessFiles:
     """The forward's side of the writer process: the file side's interface, as messages.
 
@@ -108,7 +133,11 @@ class ProcessFiles:
         self._pending: list[tuple] = []
         self._out: queue.SimpleQueue[tuple[Ready | None, list[tuple]] | None] = (
             queue.SimpleQueue())
-        self._sent_rids: OrderedDict[str, list[int]] = OrderedDict()
+        self._lock = threading.Lock()  # the attempts (the forward's thread and the waiter)
+        self._attempts: OrderedDict[str, _Attempt] = OrderedDict()
+        self._by_ticket: dict[int, str] = {}
+        self._tickets = 0
+        self._reports_read = 0
         self._closing = False
         self._stopped = False  # closed: what comes later is settled here
         r, w = os.pipe()
@@ -138,20 +167,28 @@ class ProcessFiles:
     # ---------------------------------------------------------------- the file side's API
 
     def begin_request(self, rid: str) -> None:
+        with self._lock:
+            self._forget(rid)
         self._pending.append(("begin", rid))
 
     def failed(self, rid: str) -> bool:
-        return False  # known in the child: it drops a failed request's chunks
+        """Whether the current attempt of ``rid`` has failed: here, or as the child reported
+        (its later chunks are then not staged)."""
+        with self._lock:
+            self._read_reports()
+            attempt = self._attempts.get(rid)
+            return attempt is not None and attempt.failed
 
     def fail(self, rid: str, reason: str | None, prompt_len: int | None,
              internal: bool = False) -> None:
-        self._pending.append(("fail", rid, reason, prompt_len, internal))
+        ticket = self._ticket(rid, failed=reason is not None)
+        self._pending.append(("fail", rid, reason, prompt_len, internal, ticket))
 
     def add(self, rid: str, prefix_len: int, tokens: int, prompt_len: int | None,
             pages: Sequence[Page], nbytes: int, ready: Ready | None) -> None:
         self.region.state[[p.index for p in pages]] = STAGED
         self._pending.append(("file", rid, prefix_len, tokens, prompt_len,
-                              [p.index for p in pages], nbytes))
+                              [p.index for p in pages], nbytes, self._ticket(rid)))
 
     def commit(self, ready: Ready | None) -> None:
         """Hand the queued messages to the waiter: sent once ``ready`` is synchronized."""
@@ -221,7 +258,6 @@ class ProcessFiles:
                     logger.exception("hsdump: waiting for a forward's copies failed")
                     msgs = [_as_failure(m, f"the copy to host failed: {e!r}") for m in msgs]
             if self.dead is None and msgs[0][0] != "dead":
-                self._remember(msgs)
                 pages = [i for m in msgs for i in _pages_of(m)]
                 self.region.state[pages] = SENT
                 try:
@@ -252,8 +288,11 @@ class ProcessFiles:
         logger.error("hsdump: %s", self.dead)
         state = self.region.state
         state[state == SENT] = RELEASED
-        for rid, chunks in self._sent_rids.items():
-            self._local_marker(rid, self.dead, chunks)
+        with self._lock:  # the markers are written after: the forward's thread never waits
+            self._read_reports()
+            unmarked = [rid for rid, a in self._attempts.items() if not a.marked]
+        for rid in unmarked:
+            self._local_marker(rid, self.dead)
 
     def _settle_locally(self, msgs: list[tuple]) -> None:
         """After the child died: release the pages of ``msgs``, fail their requests."""
@@ -262,11 +301,11 @@ class ProcessFiles:
                 self._died(m[1])
             elif m[0] in ("file", "drop"):
                 self.region.state[_pages_of(m)] = RELEASED
-                self._local_marker(m[1], self.dead or "", [])
+                self._local_marker(m[1], self.dead or "")
             elif m[0] == "fail":
-                self._local_marker(m[1], self.dead or str(m[2]), [])
+                self._local_marker(m[1], self.dead or str(m[2]))
 
-    def _local_marker(self, rid: str, reason: str, chunks: list[int]) -> None:
+    def _local_marker(self, rid: str, reason: str) -> None:
         d = protocol.rid_dir(self.dump_dir, rid)
         if (d / protocol.DONE_MARKER).exists() or (d / protocol.ERROR_MARKER).exists():
             return
@@ -280,15 +319,42 @@ class ProcessFiles:
             self.local.internal_errors += 1
             logger.exception("hsdump: could not write the error marker of %s", rid)
 
-    def _remember(self, msgs: list[tuple]) -> None:
-        for m in msgs:
-            if m[0] == "begin":
-                self._sent_rids.pop(m[1], None)
-            elif m[0] in ("file", "fail"):
-                self._sent_rids.setdefault(m[1], [])
-                self._sent_rids.move_to_end(m[1])
-        while len(self._sent_rids) > _SENT_RIDS:
-            self._sent_rids.popitem(last=False)
+    def _ticket(self, rid: str, failed: bool = False) -> int:
+        """The ticket of ``rid``'s current attempt (a new one when there is none)."""
+        with self._lock:
+            attempt = self._attempts.get(rid)
+            if attempt is None:
+                self._tickets += 1
+                attempt = self._attempts[rid] = _Attempt(self._tickets)
+                self._by_ticket[attempt.ticket] = rid
+                while len(self._attempts) > _SENT_RIDS:
+                    self._forget(next(iter(self._attempts)))
+            else:
+                self._attempts.move_to_end(rid)
+            attempt.failed = attempt.failed or failed
+            return attempt.ticket
+
+    def _forget(self, rid: str) -> None:
+        """Drop ``rid``'s current attempt (lock held)."""
+        attempt = self._attempts.pop(rid, None)
+        if attempt is not None:
+            del self._by_ticket[attempt.ticket]
+
+    def _read_reports(self) -> None:
+        """Apply the child's marker reports published since the last call (lock held): a done
+        attempt is forgotten, a failed one noted. Reports the ring no longer holds are lost:
+        those attempts stay remembered."""
+        n = int(self.region.reported[0])
+        for i in range(max(self._reports_read, n - _REPORTS), n):
+            ticket = int(self.region.reports[i % _REPORTS])
+            rid = self._by_ticket.get(abs(ticket))
+            if rid is None:  # a new attempt began, or the attempt was forgotten
+                continue
+            if ticket > 0:
+                self._forget(rid)
+            else:
+                self._attempts[rid].failed = self._attempts[rid].marked = True
+        self._reports_read = n
 
 
 def _pages_of(msg: tuple) -> list[int]:
@@ -300,7 +366,7 @@ def _as_failure(msg: tuple, reason: str) -> tuple:
     """A file message whose copy failed becomes: release its pages, fail its request."""
     if msg[0] != "file":
         return msg
-    return ("drop", msg[1], msg[4], msg[5], reason)
+    return ("drop", msg[1], msg[4], msg[5], reason, msg[7])
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -318,7 +384,8 @@ class _Child:
         self._lock = threading.Lock()
         self._settled = 0
         self.files = FileWriter(dump_dir, threads=threads, page_bytes=region.page_bytes,
-                                release=self._release, settled=self._on_settled)
+                                release=self._release, settled=self._on_settled,
+                                marked=self._report)
         self.pages = [ShmPage(i, region.page(i)) for i in range(region.pages)]
 
     def _release(self, pages: Sequence[Page]) -> None:
@@ -335,20 +402,28 @@ class _Child:
                 self.region.counters[COUNTERS.index(name)] = values[name]
             self.region.counters[0] = values["settled"]
 
+    def _report(self, ticket: int, done: bool) -> None:
+        """Publish that the marker of attempt ``ticket`` is written (the entry, then the count)."""
+        with self._lock:
+            n = int(self.region.reported[0])
+            self.region.reports[n % _REPORTS] = ticket if done else -ticket
+            self.region.reported[0] = n + 1
+
     def handle(self, msg: tuple) -> None:
         kind = msg[0]
         if kind == "begin":
             self.files.begin_request(msg[1])
         elif kind == "fail":
-            self.files.fail(msg[1], msg[2], msg[3], internal=msg[4])
+            _, rid, reason, prompt_len, internal, ticket = msg
+            self.files.fail(rid, reason, prompt_len, internal=internal, tag=ticket)
         elif kind == "file":
-            _, rid, prefix_len, tokens, prompt_len, pages, nbytes = msg
+            _, rid, prefix_len, tokens, prompt_len, pages, nbytes, ticket = msg
             self.files.add(rid, prefix_len, tokens, prompt_len, [self.pages[i] for i in pages],
-                           nbytes, None)
+                           nbytes, None, tag=ticket)
         elif kind == "drop":
-            _, rid, prompt_len, pages, reason = msg
+            _, rid, prompt_len, pages, reason, ticket = msg
             self._release([self.pages[i] for i in pages])
-            self.files.fail(rid, reason, prompt_len, internal=True)
+            self.files.fail(rid, reason, prompt_len, internal=True, tag=ticket)
         else:
             raise ValueError(f"unknown message {kind!r}")
 
@@ -365,6 +440,10 @@ def _read_exactly(fd: int, n: int) -> bytes | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # A Ctrl-C or a launcher's signal to the server's process group must not cut the files
+    # short: this process leaves on its pipe's EOF, once it has written what it was sent.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
     ap = argparse.ArgumentParser(description="hsdump's writer process (started by the capture "
                                  "patch; not for use by hand)")
     for name in ("memfd", "pipe", "threads", "pages", "page-bytes", "parent"):

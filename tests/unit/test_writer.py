@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import stat
 import threading
 import time
@@ -583,6 +584,89 @@ def test_a_dead_writer_process_is_reported_and_never_blocks_the_forward(dump_dir
     assert stats["requests_failed"] >= 21 and stats["requests_done"] == 1
     w.close()
     assert w.inflight_bytes == 0 and _temp_files(dump_dir) == []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP],
+                         ids=lambda s: s.name)
+def test_a_signalled_writer_process_writes_all_it_was_sent_then_exits(dump_dir: Path,
+                                                                      sig: int) -> None:
+    """A Ctrl-C or a launcher's signal reaches the server's whole process group, the writer
+    process included: it ignores the signal, and on its pipe's EOF (the server closing, or
+    dying) it writes every file and marker of what it was sent, then exits 0."""
+    w = _writer(dump_dir, cap=4 << 20, threads=2, mode="process")
+    batch = _batch(2000, seed=15)
+    w.submit(_meta("hsdump-first", 0), _tensors(batch, 0, 10), prompt_len=10)
+    assert w.flush(timeout=30)  # the writer process runs (past its start)
+    rids = [f"hsdump-sig{r}" for r in range(12)]
+    for rid in rids:  # 12 MiB through a 4 MiB cap: the last ones are in flight at the signal
+        w.submit(_meta(rid, 0), _tensors(batch, 0, 1000), prompt_len=None)
+        w.submit(_meta(rid, 1000), _tensors(batch, 1000, 2000), prompt_len=2000)
+    os.kill(w.writer_pid, sig)
+    w.close()
+    for rid in rids:
+        done = protocol.request_status(dump_dir, rid).done
+        assert done == protocol.DoneMarker(rid, 2000, 2000, [0, 1000]), rid
+        assert [p for p, _ in protocol.list_chunks(dump_dir, rid)] == [0, 1000]
+    assert w._files.proc.returncode == 0  # exited on its own, not by the signal
+    assert w.stats.writer_process_deaths == 0 and w.stats.writer_error is None
+    assert w.stats.requests_done == 13 and _temp_files(dump_dir) == []
+
+
+def test_a_dead_writer_process_leaves_consumed_requests_alone(dump_dir: Path) -> None:
+    """The writer process reports each marker it writes: when it dies, a request whose marker
+    (done or error) it wrote and whose directory the client then removed is not made again
+    for an error marker; a request it had not finished gets one."""
+    w = _writer(dump_dir, mode="process")
+    batch = _batch(64, seed=16)
+    w.submit(_meta("hsdump-done", 0), _tensors(batch, 0, 64), prompt_len=64)
+    w.fail_request("hsdump-failed", "stand-in failure", 3)
+    w.submit(_meta("hsdump-open", 0), _tensors(batch, 0, 32), prompt_len=None)
+    assert w.flush(timeout=30)
+    for rid in ("hsdump-done", "hsdump-failed"):
+        assert protocol.request_status(dump_dir, rid).finished
+        shutil.rmtree(protocol.rid_dir(dump_dir, rid))  # what the client does once it has read
+    os.kill(w.writer_pid, signal.SIGKILL)
+    assert _wait_for(lambda: w.stats.writer_process_deaths == 1)
+    w.close()  # the death is handled (its markers written) before the waiter thread ends
+    assert "killed by signal 9" in _error(dump_dir, "hsdump-open").reason
+    assert sorted(p.name for p in dump_dir.iterdir()) == [
+        protocol.rid_dir(dump_dir, "hsdump-open").name]
+
+
+def test_a_failed_requests_later_chunks_are_not_staged(dump_dir: Path, mode: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once a request has failed (here, or in the writer: a chunk it could not write), its
+    later chunks are neither staged nor copied; its error marker stays; other requests go on."""
+    w = _writer(dump_dir, mode=mode)
+    staged: list[str] = []
+    stage = w._stage
+
+    def counting(tensors: list[torch.Tensor], chunks: list) -> list:
+        staged.extend(st.chunk.meta.rid for st in chunks)
+        return stage(tensors, chunks)
+
+    monkeypatch.setattr(w, "_stage", counting)
+    batch = _batch(96, seed=17)
+    # The final name is taken by a directory: the writer fails the request.
+    protocol.make_private_dir(protocol.rid_dir(dump_dir, "hsdump-unwritable")
+                              / protocol.chunk_filename(0))
+    rids = ("hsdump-unwritable", "hsdump-aborted", "hsdump-ok")
+    for rid in rids:
+        w.submit(_meta(rid, 0), _tensors(batch, 0, 32), prompt_len=None)
+    w.fail_request("hsdump-aborted", "aborted by the client")
+    assert w.flush(timeout=30)
+    for a in (32, 64):
+        for rid in rids:
+            w.submit(_meta(rid, a), _tensors(batch, a, a + 32),
+                     prompt_len=96 if a == 64 else None)
+    assert w.flush(timeout=30)
+    w.close()
+    assert staged == [*rids, "hsdump-ok", "hsdump-ok"]
+    assert "writing chunk 0 failed" in _error(dump_dir, "hsdump-unwritable").reason
+    aborted = _error(dump_dir, "hsdump-aborted")
+    assert aborted.reason == "aborted by the client" and aborted.chunks == [0]
+    assert protocol.request_status(dump_dir, "hsdump-ok").done.chunks == [0, 32, 64]
+    assert w.stats.requests_failed == 2 and w.stats.chunks_written == 4
 
 
 def test_process_writer_memory_is_one_fixed_shared_region(dump_dir: Path,
