@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import json
 import math
 import os
@@ -26,12 +27,13 @@ import signal
 import sys
 import threading
 import time
+import urllib.parse
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import requests
 import torch
@@ -41,6 +43,7 @@ from hsdump_patch.client.buffers import BufferPool, tensor_at, torch_dtype
 from hsdump_patch.client.dumps.dumpdir import (
     Remover,
     read_request,
+    sweep,
     wait_for_marker,
     wait_until_settled,
 )
@@ -55,6 +58,11 @@ PASSTHROUGH_DTYPES = {"int64": torch.int64, "int32": torch.int32}
 SETTLE_QUIET_S = 1.0  # a failed row's dump directory is final after this long unchanged
 PENDING_REMOVALS = 16  # request directories left to remove before an answer waits for them
 MOONCAKE_NOT_FOUND = -704  # Mooncake's OBJECT_NOT_FOUND, what remove() of an absent key returns
+# A bridge's lock file in the dump dir, ``.hsdump-bridge-<owner>.lock``, locked while it runs.
+LOCK_PREFIX, LOCK_SUFFIX = ".hsdump-bridge-", ".lock"
+# How long a starting bridge waits for a dead bridge's request directories to settle (SGLang
+# aborts a gone client's requests within seconds: it checks for a disconnect every 4 s).
+SWEEP_WAIT_S = 10.0
 
 # ``engine(input_ids, rids, extra_key) -> rows``: runs the prefills, one /generate row per prompt.
 Engine = Callable[[list[list[int]], list[str], "list[str] | None"], list[dict[str, Any]]]
@@ -361,6 +369,16 @@ class BridgeStats:
                     f"{self.bytes / 2**20 / wall:.2f} MiB/s over {wall:.0f} s)")
 
 
+def hold_lock(path: Path) -> IO[bytes]:
+    """Create ``path`` flock-ed until the returned file is closed (or its process dies). It
+    gets its name only once locked: a lock file found unlocked belongs to a dead process."""
+    tmp = protocol.temp_path(path)
+    f = open(tmp, "wb")  # noqa: SIM115 - the caller holds it until its close()
+    fcntl.flock(f, fcntl.LOCK_EX)
+    os.replace(tmp, path)
+    return f
+
+
 class Bridge:
     """Serves SpecForge's ``spec_capture`` ``/generate`` with an hsdump-enabled server."""
 
@@ -373,7 +391,8 @@ class Bridge:
         :meth:`~MooncakeSink.staging` buffers); further requests wait (their
         HTTP answer too: the producer slows down). The request's dump directories are removed
         after its answer, on a thread of their own (at most ``PENDING_REMOVALS`` waiting, or the
-        answers wait too); :meth:`close` removes what is left."""
+        answers wait too); :meth:`close` removes what is left. Its rids carry its ``owner``, whose
+        lock file it holds; it starts by removing what dead bridges left (:meth:`sweep_dead`)."""
         self.dump_dir = Path(dump_dir)
         self.info = protocol.read_server_info(self.dump_dir)
         torch_dtype(self.info.dtype)  # a dtype the client cannot read fails here, not per task
@@ -385,14 +404,51 @@ class Bridge:
         self._chunk_bufs = BufferPool(max_inflight_bytes)
         self.remover = Remover(self.dump_dir, PENDING_REMOVALS)
         self.stats = BridgeStats()
+        self.owner = uuid.uuid4().hex[:12]
+        self._lock = hold_lock(self._lock_path(self.owner))
+        self.left_by_dead = self.sweep_dead()
 
     def close(self) -> None:
-        """Remove the dump directories still waiting; requests answered later remove their own
-        before answering."""
+        """Remove the dump directories still waiting, then this bridge's lock file; requests
+        answered later remove their own before answering."""
         self.remover.close()
+        self._lock_path(self.owner).unlink(missing_ok=True)
+        self._lock.close()
+
+    def _lock_path(self, owner: str) -> Path:
+        return self.dump_dir / f"{LOCK_PREFIX}{owner}{LOCK_SUFFIX}"
+
+    def _rid_prefix(self, owner: str) -> str:
+        return f"{self.info.rid_prefix}bridge-{owner}-"
 
     def _rid(self) -> str:
-        return f"{self.info.rid_prefix}bridge-{uuid.uuid4().hex}"
+        return f"{self._rid_prefix(self.owner)}{uuid.uuid4().hex}"
+
+    def sweep_dead(self) -> int:
+        """Remove what bridges that died (SIGKILL, a crash) left in the dump dir: the request
+        directories of every owner whose lock file nobody holds, once each is final (up to
+        ``SWEEP_WAIT_S``), then its lock file. A live bridge's (its lock held), this one's and
+        other clients' directories stay. Return how many are left (kept with their lock file,
+        for the next start)."""
+        left = 0
+        for lock in self.dump_dir.glob(f"{LOCK_PREFIX}*{LOCK_SUFFIX}"):
+            try:
+                f = open(lock, "rb")  # noqa: SIM115 - closed below, releasing the lock
+            except FileNotFoundError:
+                continue  # another starting bridge swept it
+            with f:
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # its bridge runs
+                owner = lock.name[len(LOCK_PREFIX):-len(LOCK_SUFFIX)]
+                start = protocol.rid_dirname(self._rid_prefix(owner))
+                n = sweep(self.dump_dir, lambda name, start=start: name.startswith(start),
+                          SETTLE_QUIET_S, SWEEP_WAIT_S)
+                if n == 0:
+                    lock.unlink(missing_ok=True)
+                left += n
+        return left
 
     def generate(self, body: Mapping[str, Any]) -> list[dict[str, Any]]:
         """Answer one ``spec_capture`` ``/generate`` body: the server's rows, each with its
@@ -567,12 +623,47 @@ def make_server(bridge: Bridge, host: str, port: int, upstream: str,
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 30100
+MOONCAKE_MASTER_PORT, MOONCAKE_METRICS_PORT, MOONCAKE_METADATA_PORT = 50051, 9003, 8080
 DEFAULT_SEGMENT = "32GiB"  # SpecForge's managed Mooncake default (MOONCAKE_GLOBAL_SEGMENT_SIZE)
 DEFAULT_LOCAL_BUFFER = "64MiB"
 DEFAULT_WORKERS = 4
 DEFAULT_MAX_INFLIGHT = "4GiB"
 DEFAULT_REQUEST_TIMEOUT = 300.0  # SpecForge's producer waits as long (timeout_s)
 DEFAULT_PROGRESS_INTERVAL = 60.0
+
+
+def mooncake_commands(master_port: int = MOONCAKE_MASTER_PORT,
+                      metadata_port: int = MOONCAKE_METADATA_PORT, *,
+                      metrics_port: int = MOONCAKE_METRICS_PORT, host: str = DEFAULT_HOST,
+                      master: str = "mooncake_master",
+                      python: str = "python") -> tuple[list[str], list[str]]:
+    """The commands of a Mooncake master and HTTP metadata server (mooncake-transfer-engine's
+    own programs) listening on ``host`` only: this host by default (both bind 0.0.0.0, every
+    address, unless told); this host's address or 0.0.0.0 opens them to other hosts."""
+    return ([master, f"-rpc_address={host}", f"-rpc_port={master_port}",
+             f"-metrics_host={host}", f"-metrics_port={metrics_port}"],
+            [python, "-m", "mooncake.http_metadata_server", "--host", host, "--port",
+             str(metadata_port)])
+
+
+def _port(address: str, default: int) -> int:
+    """The port of ``host:port`` or of a URL; ``default`` where it names none."""
+    try:
+        port = urllib.parse.urlsplit(address if "//" in address else f"//{address}").port
+    except ValueError:
+        port = None
+    return port or default
+
+
+def mooncake_hint(master: str, metadata: str) -> str:
+    """How to start the Mooncake that ``--mooncake-master`` / ``--mooncake-metadata`` name, on
+    this host (its ports), and how to open it to other hosts."""
+    cmds = mooncake_commands(_port(master, MOONCAKE_MASTER_PORT),
+                             _port(metadata, MOONCAKE_METADATA_PORT))
+    return (f"is Mooncake running? On this host: `{' '.join(cmds[0])}` and "
+            f"`{' '.join(cmds[1])}`; they listen on {DEFAULT_HOST} only: for bridges or "
+            "trainers on other hosts, give -rpc_address, -metrics_host and --host this host's "
+            "address (or 0.0.0.0, every address)")
 
 
 def add_parser(subparsers: Any) -> None:
@@ -670,7 +761,7 @@ def main(args: argparse.Namespace) -> int:
         return _fail(f"cannot import Mooncake ({e}): install mooncake-transfer-engine (or its "
                      "non-CUDA build, mooncake-transfer-engine-non-cuda)")
     except RuntimeError as e:
-        return _fail(str(e))
+        return _fail(f"{e}: {mooncake_hint(args.mooncake_master, args.mooncake_metadata)}")
     try:
         bridge = Bridge(args.dump_dir, sink, SGLangEngine(server_url, args.request_timeout),
                         marker_timeout=args.dump_timeout, workers=args.workers,
@@ -685,6 +776,9 @@ def main(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     thread = threading.Thread(target=http.serve_forever, daemon=True)
     thread.start()
+    if bridge.left_by_dead:
+        print(f"hsdump bridge: {bridge.left_by_dead} request dir(s) of a dead bridge still "
+              f"changed after {SWEEP_WAIT_S:g}s: left for the next start", file=sys.stderr)
     host, port = http.server_address[:2]
     print(f"hsdump bridge: serving on http://{host}:{port} for {server_url} ({info.model}, "
           f"aux_layer_ids {list(bridge.layer_ids)}, hidden {info.hidden_size}, {info.dtype}); "

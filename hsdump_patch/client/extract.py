@@ -279,18 +279,11 @@ class Extraction:
             time.sleep(1.0)
 
     def sweep_dump_dir(self, sample_ids: Iterable[str]) -> int:
-        """Delete finished dump directories of these samples; return how many unfinished remain."""
-        names = {protocol.rid_dirname(self.rid(i)): self.rid(i) for i in sample_ids}
-        unfinished = 0
-        for name in os.listdir(self.s.dump_dir):
-            rid = names.get(name)
-            if rid is None:
-                continue
-            if protocol.request_status(self.s.dump_dir, rid).finished:
-                dumpdir.remove_request(self.s.dump_dir, rid)
-            else:
-                unfinished += 1
-        return unfinished
+        """Delete this run's final dump directories of these samples (finished, or quiet for
+        STALE_QUIET_S: what a killed run left); return how many unfinished remain. For
+        before and after the run, when none of its requests is in flight."""
+        names = {protocol.rid_dirname(self.rid(i)) for i in sample_ids}
+        return dumpdir.sweep(self.s.dump_dir, names.__contains__, STALE_QUIET_S)
 
 
 class _ExtractJob(runner.Job[Sample, Done]):

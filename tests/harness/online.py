@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from hsdump_patch.client.bridge import Bridge
+from hsdump_patch.client.bridge import Bridge, mooncake_commands
 from hsdump_patch.ops.launch import free_port
 
 
@@ -32,23 +32,24 @@ def wait_port(port: int, proc: subprocess.Popen, what: str) -> None:
 
 @contextlib.contextmanager
 def local_mooncake(logs: Path) -> Iterator[dict[str, str]]:
-    """A Mooncake master and HTTP metadata server on free localhost ports (their logs under
-    ``logs``), stopped on exit; their endpoints."""
+    """A Mooncake master and HTTP metadata server on free ports of 127.0.0.1 only (their logs
+    under ``logs``), stopped on exit; their endpoints."""
     spec = importlib.util.find_spec("mooncake")
     if spec is None or spec.origin is None:
         raise RuntimeError("mooncake is not importable: install mooncake-transfer-engine-non-cuda "
                            "(requirements-test.txt)")
     package = Path(spec.origin).parent
     rpc, metrics, meta = free_port(), free_port(), free_port()
+    # The wheel's own master binary (its console script only execs it).
+    master, metadata = mooncake_commands(rpc, meta, metrics_port=metrics,
+                                         master=str(package / "mooncake_master"),
+                                         python=sys.executable)
     with open(logs / "master.log", "w") as master_log, \
             open(logs / "metadata.log", "w") as meta_log:
         procs = [
-            # The wheel's own master binary (its console script only execs it).
-            subprocess.Popen([str(package / "mooncake_master"), f"-rpc_port={rpc}",
-                              f"-metrics_port={metrics}", "-rpc_thread_num=2"],
-                             stdout=master_log, stderr=subprocess.STDOUT),
-            subprocess.Popen([sys.executable, "-m", "mooncake.http_metadata_server", "--host",
-                              "127.0.0.1", "--port", str(meta)],
+            subprocess.Popen([*master, "-rpc_thread_num=2"], stdout=master_log,
+                             stderr=subprocess.STDOUT),
+            subprocess.Popen(metadata,
                              env={**os.environ, "PYTHONPATH": str(package.parent)},
                              stdout=meta_log, stderr=subprocess.STDOUT),
         ]

@@ -10,16 +10,22 @@ through its own ``post_fn`` seam, and every ref is read back with SpecForge's
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import ipaddress
 import json
 import os
+import queue
+import signal
 import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +91,7 @@ class DumpEngine:
         self.dump_dir, self.info, self.seed = dump_dir, info, 0
         self.fail: set[int] = set()  # prompt indexes whose dump fails
         self.cached = 0  # the cached_tokens the rows report
+        self.partial = False  # write each prompt's first chunk only: prefills under way
         self.written: dict[tuple[int, ...], torch.Tensor] = {}  # prompt -> [L, S, H]
         self.writer = DumpWriter(dump_dir, max_inflight_bytes=1 << 20, min_free_bytes=0,
                                  threads=2, device=torch.device("cpu"))
@@ -100,7 +107,7 @@ class DumpEngine:
             if i in self.fail:
                 self.writer.fail_request(rid, "stand-in failure", len(ids))
                 continue
-            for a in range(0, len(ids), CHUNK):
+            for a in range(0, CHUNK if self.partial else len(ids), CHUNK):
                 b = min(a + CHUNK, len(ids))
                 meta = protocol.ChunkMeta(rid=rid, prefix_len=a, layers=self.info.layers,
                                           has_final=True, model="tiny", tp_size=1,
@@ -108,7 +115,8 @@ class DumpEngine:
                 self.writer.submit(meta, [(protocol.HIDDEN_KEY, hs[a:b]),
                                           (protocol.INPUT_IDS_KEY, torch.tensor(ids[a:b])),
                                           (protocol.POSITIONS_KEY, torch.arange(a, b))],
-                                   prompt_len=len(ids) if b == len(ids) else None)
+                                   prompt_len=len(ids) if b == len(ids) and not self.partial
+                                   else None)
         assert self.writer.flush(timeout=30)
         return [{"text": "", "meta_info": {"id": rid, "prompt_tokens": len(ids),
                                            "cached_tokens": self.cached}}
@@ -184,6 +192,30 @@ def assert_removed(bridge: Bridge) -> None:
     run behind the answers; a bounded wait)."""
     assert bridge.remover.wait_idle(60), f"{bridge.remover.pending} removals pending after 60 s"
     assert _bridge_dirs(bridge.dump_dir) == []
+
+
+def _listening(port: int) -> set[str]:
+    """The addresses this host's TCP ``port`` listens on (/proc/net/tcp and tcp6)."""
+    found = set()
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/net/{table}") as f:
+            for line in list(f)[1:]:
+                local, state = line.split()[1], line.split()[3]
+                addr, at = local.split(":")
+                if state == "0A" and int(at, 16) == port:  # 0A: LISTEN
+                    raw = b"".join(bytes.fromhex(addr[i:i + 8])[::-1]
+                                   for i in range(0, len(addr), 8))
+                    found.add(str(ipaddress.ip_address(raw)))
+    return found
+
+
+def test_the_suites_mooncake_listens_on_this_host_only(mooncake) -> None:
+    """The local Mooncake (mooncake_commands, the commands ``hsdump bridge`` prints) binds its
+    master's RPC port and its metadata server to 127.0.0.1, not to every address."""
+    master = int(mooncake["master"].rsplit(":", 1)[1])
+    metadata = urllib.parse.urlsplit(mooncake["metadata"]).port
+    assert metadata is not None
+    assert (_listening(master), _listening(metadata)) == ({"127.0.0.1"}, {"127.0.0.1"})
 
 
 def test_a_batch_of_chunked_prompts_reads_back_through_specforges_store(
@@ -319,6 +351,122 @@ def test_over_http_with_specforges_own_client(store, sink, dump_dir: Path,
         server.shutdown()
         thread.join()
     assert_removed(bridge)
+
+
+def _stalling_server(engine: DumpEngine, posted: queue.Queue, release: threading.Event
+                     ) -> ThreadingHTTPServer:
+    """A stand-in SGLang server whose prefills never end: ``/health`` answers; a ``/generate``
+    writes each prompt's first chunk (``engine.partial``), puts its rids on ``posted`` and
+    holds the connection, unanswered, until ``release``."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            engine(body["input_ids"], body["rid"], body.get("extra_key"))
+            posted.put(body["rid"])
+            release.wait(120)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    engine.partial = True
+    return ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+
+
+def _spec_body(lengths: list[int], first: int) -> dict[str, Any]:
+    """A SpecForge producer's ``spec_capture`` /generate body for prompts of ``lengths``."""
+    return {"input_ids": [[(7 * j + n) % 1000 for j in range(length)] for n, length in
+                          enumerate(lengths, start=first)],
+            "extra_key": [uuid.uuid4().hex for _ in lengths],
+            "sampling_params": {"max_new_tokens": 0},
+            "spec_capture": [{"store_id": "s", "sample_id": f"run:task{n}", "gen": 1,
+                              "features": {"aux": "hidden_state", "last_hidden": "target"}}
+                             for n in range(first, first + len(lengths))]}
+
+
+def _unanswered(call: Callable[[], Any]) -> threading.Thread:
+    """Run ``call`` on a thread of its own, ended by the connection error of a bridge or
+    server that dies or never answers."""
+    import requests
+
+    def run() -> None:
+        with contextlib.suppress(requests.ConnectionError):
+            call()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def _start_bridge(server: str, dump_dir: Path, mooncake: dict[str, str],
+                  err: Path) -> tuple[subprocess.Popen, str]:
+    """``hsdump bridge`` as a subprocess (stderr to ``err``); it and its URL, once it serves."""
+    repo = Path(__file__).resolve().parents[2]
+    with open(err, "w") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "hsdump_patch.cli", "bridge", "--server", server,
+             "--dump-dir", str(dump_dir), "--port", "0", "--mooncake-master",
+             mooncake["master"], "--mooncake-metadata", mooncake["metadata"],
+             "--segment-size", "32MiB", "--local-buffer-size", "8MiB",
+             "--progress-interval", "0"],
+            cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)}, stdout=subprocess.PIPE,
+            stderr=f, text=True)
+    first = proc.stdout.readline()
+    assert "serving on http://127.0.0.1:" in first, (first, err.read_text()[-2000:])
+    return proc, first.split("serving on ")[1].split()[0]
+
+
+def test_a_bridge_restarted_after_a_sigkill_mid_batch_removes_what_it_left(
+        mooncake, sink, dump_dir: Path, engine: DumpEngine, tmp_path: Path) -> None:
+    """``hsdump bridge`` killed (SIGKILL) with a batch of three tasks in flight leaves their
+    partial dump directories; the restarted bridge removes them before it serves. A live
+    bridge's in-flight directory (another process's, on the same dump dir) and another
+    client's stay."""
+    import requests
+
+    from hsdump_patch.client.extract import request_id
+
+    posted: queue.Queue = queue.Queue()
+    release = threading.Event()
+    standin = _stalling_server(engine, posted, release)
+    threading.Thread(target=standin.serve_forever, daemon=True).start()
+    server = f"http://127.0.0.1:{standin.server_address[1]}"
+    other = Bridge(dump_dir, sink, SGLangEngine(server))
+    threads = [_unanswered(lambda: other.generate(_spec_body([20], 0)))]
+    live = posted.get(timeout=60)
+    engine([[1] * 20], [request_id("hsdump-", "run1", "x")], [""])  # an extractor's
+    kept = {p.name for p in dump_dir.iterdir() if p.is_dir()}
+    killed, url = _start_bridge(server, dump_dir, mooncake, tmp_path / "killed.err")
+    restarted = None
+    try:
+        threads.append(_unanswered(lambda: requests.post(
+            f"{url}/generate", json=_spec_body([20, 30, 40], 1), timeout=120)))
+        stale = [protocol.rid_dirname(rid) for rid in posted.get(timeout=60)]
+        killed.send_signal(signal.SIGKILL)
+        killed.wait(30)
+        assert len(stale) == 3 and all((dump_dir / n / protocol.chunk_filename(0)).exists()
+                                       and not (dump_dir / n / protocol.DONE_MARKER).exists()
+                                       for n in stale)
+        restarted, _ = _start_bridge(server, dump_dir, mooncake, tmp_path / "restarted.err")
+        assert {p.name for p in dump_dir.iterdir() if p.is_dir()} == kept
+        assert len(live) == 1 and protocol.rid_dirname(live[0]) in kept
+    finally:
+        for proc in (killed, restarted):
+            if proc is not None:
+                proc.kill()
+                proc.wait(30)
+                proc.stdout.close()
+        release.set()
+        for t in threads:
+            t.join(60)
+        standin.shutdown()
+        standin.server_close()
+        other.close()
 
 
 def test_a_put_mooncake_refuses_leaves_none_of_the_tasks_keys(sink) -> None:

@@ -16,6 +16,7 @@ import struct
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Protocol
@@ -149,6 +150,40 @@ def read_request(dump_dir: Path, rid: str, input_ids: list[int], info: protocol.
 def remove_request(dump_dir: Path, rid: str) -> None:
     """Delete a request's directory from the dump dir (it is consumed or stale)."""
     shutil.rmtree(protocol.rid_dir(dump_dir, rid), ignore_errors=True)
+
+
+def _settled(d: Path, quiet: float) -> bool:
+    """Whether a request directory is final: it has a done or error marker, or neither it nor
+    a file in it changed for ``quiet`` seconds (False while it changes under the scan)."""
+    try:
+        names = os.listdir(d)
+        if protocol.DONE_MARKER in names or protocol.ERROR_MARKER in names:
+            return True
+        changed = max([d.stat().st_mtime, *((d / n).stat().st_mtime for n in names)])
+    except FileNotFoundError:
+        return False
+    return time.time() - changed >= quiet
+
+
+def sweep(dump_dir: Path, owned: Callable[[str], bool], quiet: float,
+          timeout: float = 0.0) -> int:
+    """Remove the request directories whose names ``owned`` accepts, each once it is final
+    (:func:`_settled`: an aborted request, e.g. one whose client was killed, never gets a
+    marker and goes once quiet); wait up to ``timeout`` seconds for the others. Return how
+    many are left. ``owned`` must accept only requests that no live client waits for: the
+    caller's own, none in flight, or those of a client known dead."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = 0
+        for entry in os.scandir(dump_dir):
+            if entry.is_dir(follow_symlinks=False) and owned(entry.name):
+                if _settled(Path(entry.path), quiet):
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                else:
+                    left += 1
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.2)
 
 
 class Remover:
