@@ -68,7 +68,9 @@ EXTRACTION = {"disable_radix_cache": True}
 RESOLVED_REFUSALS = [
     ("backend-flag-beats-disable-cuda-graph",
      {"disable_cuda_graph": True, "cuda_graph_backend_prefill": "breakable"},
-     "--disable-cuda-graph does not turn them off"),
+     "prefill CUDA graphs are on (--cuda-graph-backend-prefill breakable): graph replays never "
+     "run the capture hooks, so dumps would be empty. Pass --cuda-graph-backend-prefill "
+     "disabled. --disable-cuda-graph does not turn them off"),
     ("graph-config-beats-disable-cuda-graph",
      {"disable_cuda_graph": True, "cuda_graph_config": {"prefill": {"backend": "full"}}},
      "Remove the prefill backend from --cuda-graph-config"),
@@ -76,13 +78,15 @@ RESOLVED_REFUSALS = [
      "DP attention is on (--dwdp-size 2 turns it on): each attention-DP group holds "
      "different requests and rows. Remove --dwdp-size"),
     ("pdmux", {"enable_pdmux": True}, "Remove --enable-pdmux"),
+    # Without --disable-cuda-graph: the backend is named, and the fix says nothing of that flag.
+    ("backend-flag-alone", {"cuda_graph_backend_prefill": "full"},
+     "prefill CUDA graphs are on (--cuda-graph-backend-prefill full): graph replays never run "
+     "the capture hooks, so dumps would be empty. Pass --cuda-graph-backend-prefill disabled. "
+     "The extraction profile"),
     ("multi-node-dp", {"nnodes": 2, "dp_size": 2, "tp_size": 2}, "--dp-size 2 across --nnodes 2"),
     ("disaggregation-decode", {"disaggregation_mode": "decode"},
      "--disaggregation-mode decode: this server only decodes"),
     # What a server launched with these flags refused (before the lanes, one launch each).
-    ("prefill-graphs-despite-disable-cuda-graph",
-     {"disable_cuda_graph": True, "cuda_graph_backend_prefill": "breakable"},
-     "prefill CUDA graphs are on (--cuda-graph-backend-prefill breakable)"),
     ("radix-cache-on", {"disable_radix_cache": False, "cuda_graph_backend_prefill": "disabled"},
      "Pass --disable-radix-cache"),
     ("two-batch-overlap", {"disable_cuda_graph": True, "enable_two_batch_overlap": True},
