@@ -110,10 +110,12 @@ def test_specforge_loads_our_records_and_its_batch_equals_hf(tmp_path, request, 
         assert all(torch.equal(ours[row["id"]][k], raw[k]) for k in raw)
 
 
-def test_a_format_needing_the_final_state_is_refused_at_start(tmp_path, llama_server):
-    """The server.json of a server started with the opt-out SGLANG_HS_DUMP_FINAL=0 (the live
-    server's, with has_final false): both formats refuse before sending anything, naming the
-    variable, and so does smoke."""
+def test_server_info_without_the_final_state_is_refused_at_start(tmp_path, llama_server):
+    """The client's reaction to a ``server.json`` saying ``has_final: false`` (what a server
+    started with SGLANG_HS_DUMP_FINAL=0 writes). No such server runs here: the dump dir given to
+    the client holds a copy of the live llama server's ``server.json`` (final state on) edited to
+    ``has_final: false``. Both formats refuse before sending anything, naming the variable, and
+    so does smoke."""
     dump = tmp_path / "dump"
     dump.mkdir()
     info = json.loads((llama_server.dump_dir / protocol.SERVER_INFO).read_text())
