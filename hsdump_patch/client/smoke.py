@@ -3,9 +3,11 @@
 It extracts a built-in multi-turn prompt set (or ``--dataset``) through the real server and
 checks every record: keys, shapes and dtype against ``server.json``, finite values, token ids
 and loss mask equal to what was sent, a non-empty loss mask, chunk coverage (checked while
-assembling), determinism (one prompt sent twice gives bitwise-identical states) and a clean
-dump dir afterwards; then a short greedy ``hsdump regenerate`` of two built-in rows. One verdict
-line, a JSON report, exit code 0 only on PASS.
+assembling), determinism (two rows of one prompt, ``--determinism``, give bitwise-identical
+states) and a clean dump dir afterwards; then a short greedy ``hsdump regenerate`` of two
+built-in rows. A requested check that cannot run fails; ``--determinism none`` skips that one.
+One line per check, a verdict naming the checks that ran, a JSON report, exit code 0 only on
+PASS.
 """
 
 from __future__ import annotations
@@ -105,9 +107,34 @@ def _hidden_tensors(rec: dict[str, Any]) -> list[torch.Tensor]:
             for v in (v if isinstance(v, list) else [v])]
 
 
+def check_determinism(pair: tuple[str, str], samples: list[Sample],
+                      loaded: dict[str, dict[str, Any]], source: str) -> tuple[str, bool, str]:
+    """The records of the two samples ``pair`` names, one prompt, must be bitwise identical.
+
+    Requested, so a pair that cannot be compared fails, saying why: a sample missing from
+    ``source``, two different prompts, or a record not extracted.
+    """
+    by_id = {s.id: s for s in samples}
+    why = [f"no sample {i!r} in {source}" for i in pair if i not in by_id]
+    if not why and by_id[pair[0]].input_ids != by_id[pair[1]].input_ids:
+        why.append(f"{pair[0]!r} and {pair[1]!r} are different prompts")
+    if not why:
+        why = [f"{i!r} was not extracted" for i in pair if i not in loaded]
+    if why:
+        return ("determinism", False, "requested but cannot run: " + "; ".join(why) + ". Name "
+                "two rows of one prompt with --determinism ID_A,ID_B, or skip the check with "
+                "--determinism none")
+    a, b = (_hidden_tensors(loaded[i]) for i in pair)
+    same = len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    return ("determinism", same, f"{pair[0]!r} and {pair[1]!r}, one prompt: bitwise "
+            + ("identical" if same else "DIFFERENT"))
+
+
 def validate(out: Path, fmt: str, info: protocol.ServerInfo, samples: list[Sample],
-             report: Any, pair: tuple[str, ...]) -> list[tuple[str, bool, str]]:
-    """Run every check; return ``(name, passed, detail)`` rows."""
+             report: Any, pair: tuple[str, str] | None, source: str = "the dataset"
+             ) -> list[tuple[str, bool, str]]:
+    """Run every check (determinism only with a ``pair``); return ``(name, passed, detail)``
+    rows."""
     checks = [("server.json", True,
                f"layers {list(info.layers)}{' + final' if info.has_final else ''}, hidden "
                f"{info.hidden_size}, {info.dtype}, sglang {info.sglang_version}")]
@@ -128,12 +155,8 @@ def validate(out: Path, fmt: str, info: protocol.ServerInfo, samples: list[Sampl
                    "; ".join(problems) or f"{len(loaded)} {fmt} records: "
                    f"{records.NEEDS_FINAL[fmt]} present, shapes, dtype, finite, ids, non-empty "
                    "loss mask"))
-    a, b = (loaded.get(i) for i in pair)
-    if a is not None and b is not None:
-        same = all(torch.equal(x, y) for x, y in zip(_hidden_tensors(a), _hidden_tensors(b),
-                                                     strict=True))
-        checks.append(("determinism", same, "same prompt twice: bitwise "
-                       + ("identical" if same else "DIFFERENT")))
+    if pair is not None:
+        checks.append(check_determinism(pair, samples, loaded, source))
     checks.append(("dump dir clean", report.leftover_dump_dirs == 0,
                    f"{report.leftover_dump_dirs} request dir(s) left"))
     return checks
@@ -177,13 +200,51 @@ def add_parser(subparsers: Any) -> None:
                               description=__doc__.splitlines()[0])
     ex.add_common_args(p)
     p.add_argument("--dataset", type=Path, default=None,
-                   help="JSONL to use instead of the built-in prompts (default: built-in; its "
-                        f"ids {DETERMINISM_PAIR} are compared for determinism)")
+                   help="JSONL to use instead of the built-in prompts (default: the built-in "
+                        "prompts)")
+    p.add_argument("--determinism", type=determinism_pair, default=DETERMINISM_PAIR,
+                   metavar="ID_A,ID_B|none",
+                   help="two rows holding one prompt, whose states must be bitwise identical; "
+                        "a pair the dataset lacks fails the check, 'none' skips it (default: "
+                        f"{','.join(DETERMINISM_PAIR)}, rows of the built-in prompts)")
     p.add_argument("--out", type=Path, default=None,
                    help="keep the records here (default: a temp dir, deleted afterwards)")
     p.add_argument("--report", type=Path, default=Path(DEFAULT_REPORT),
                    help=f"JSON report path (default ./{DEFAULT_REPORT})")
     p.set_defaults(func=main)
+
+
+def determinism_pair(text: str) -> tuple[str, str] | None:
+    """``--determinism``: two different row ids, comma separated, or ``none``."""
+    if text.strip().lower() == "none":
+        return None
+    ids = tuple(i.strip() for i in text.split(","))
+    if len(ids) != 2 or not all(ids) or ids[0] == ids[1]:
+        raise argparse.ArgumentTypeError(f"{text!r} is not two different ids ID_A,ID_B or none")
+    return ids[0], ids[1]
+
+
+def finish(path: Path, verdict: dict[str, Any], checks: list[tuple[str, bool, str]],
+           skipped: list[tuple[str, str]]) -> int:
+    """Print one line per check and the verdict, naming the checks that ran and those skipped;
+    write the JSON report to ``path``. Return the exit code: 0 on PASS, 1 on FAIL."""
+    passed = all(ok for _, ok, _ in checks)
+    verdict.update(passed=passed, checks=[{"check": n, "passed": ok, "detail": d}
+                                          for n, ok, d in checks],
+                   ran=[n for n, _, _ in checks],
+                   skipped=[{"check": n, "why": why} for n, why in skipped])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    protocol.write_json_atomic(path, verdict)
+    for name, ok, detail in checks:
+        print(f"  {'ok  ' if ok else 'FAIL'} {name}: {detail}")
+    for name, why in skipped:
+        print(f"  skip {name}: {why}")
+    failed = [n for n, ok, _ in checks if not ok]
+    ran = f"checks run: {', '.join(n for n, _, _ in checks)}" + "".join(
+        f"; skipped: {n}" for n, _ in skipped)
+    print(f"hsdump smoke: {'PASS' if passed else 'FAIL (' + ', '.join(failed) + ')'} "
+          f"({ran}; report: {path})", file=sys.stdout)
+    return 0 if passed else 1
 
 
 def main(args: argparse.Namespace) -> int:
@@ -196,15 +257,20 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, work: Path) -> int:
-    dataset = args.dataset
-    pair: tuple[str, ...] = DETERMINISM_PAIR
+    dataset, pair = args.dataset, args.determinism
+    source = f"--dataset {dataset}"
+    skipped: list[tuple[str, str]] = (
+        [] if pair else [("determinism", "not requested (--determinism none)")])
     if dataset is None:
         # A fresh id prefix per run, so concurrent smokes never share a rid.
         tag = os.urandom(4).hex()
-        dataset = work / "smoke.jsonl"
+        dataset, source = work / "smoke.jsonl", "the built-in prompts"
         dataset.write_text("".join(json.dumps({**r, "id": f"smoke-{tag}-{r['id']}"}) + "\n"
                                    for r in BUILTIN_ROWS))
-        pair = tuple(f"smoke-{tag}-{i}" for i in DETERMINISM_PAIR)
+        builtin = {r["id"] for r in BUILTIN_ROWS}
+        if pair:
+            a, b = (f"smoke-{tag}-{i}" if i in builtin else i for i in pair)
+            pair = (a, b)
     out = args.out or work / "records"
     settings = ex.settings_from_args(args, out, concurrency=1, on_error="skip")
     verdict: dict[str, Any] = {"server": args.server, "dump_dir": str(args.dump_dir)}
@@ -220,19 +286,9 @@ def _run(args: argparse.Namespace, work: Path) -> int:
                    if isinstance(s, Sample)]
         tokenizer = prepared.renderer.tokenizer if prepared.renderer else load_tokenizer(
             prepared.tokenizer_path, prepared.trust_remote_code)
-        checks = validate(out, args.fmt, info, samples, report, pair)
+        checks = validate(out, args.fmt, info, samples, report, pair, source)
         checks.append(check_regeneration(args, work, tokenizer))
         verdict["report"] = report.to_json()
     except (ServerDown, protocol.ProtocolError, ValueError, RuntimeError, OSError) as e:
         checks = [("setup", False, str(e))]
-    passed = all(ok for _, ok, _ in checks)
-    verdict.update(passed=passed, checks=[{"check": n, "passed": ok, "detail": d}
-                                          for n, ok, d in checks])
-    args.report.parent.mkdir(parents=True, exist_ok=True)
-    protocol.write_json_atomic(args.report, verdict)
-    for name, ok, detail in checks:
-        print(f"  {'ok  ' if ok else 'FAIL'} {name}: {detail}")
-    failed = [n for n, ok, _ in checks if not ok]
-    print(f"hsdump smoke: {'PASS' if passed else 'FAIL (' + ', '.join(failed) + ')'} "
-          f"(report: {args.report})", file=sys.stdout)
-    return 0 if passed else 1
+    return finish(args.report, verdict, checks, skipped)

@@ -229,15 +229,58 @@ def test_smoke_passes_against_a_running_server(tmp_path, llama_server):
                         "--report", str(report), "--no-progress"],
                        cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.strip().splitlines()[-1].startswith("hsdump smoke: PASS")
+    ran = ["server.json", "extraction", "records", "determinism", "dump dir clean",
+           "regeneration"]
+    assert r.stdout.strip().splitlines()[-1] == (
+        f"hsdump smoke: PASS (checks run: {', '.join(ran)}; report: {report})")
     verdict = json.loads(report.read_text())
     checks = {c["check"]: c for c in verdict["checks"]}
-    assert verdict["passed"] and set(checks) == {
-        "server.json", "extraction", "records", "determinism", "dump dir clean", "regeneration"}
+    assert verdict["passed"] and list(checks) == verdict["ran"] == ran
+    assert verdict["skipped"] == []
+    assert checks["determinism"]["detail"].endswith("one prompt: bitwise identical")
     assert verdict["report"]["max_chunks"] > 1
     # The tiny random model never ends a turn: each row's first turn is cut at 8 tokens, and a
     # row stops at its first cut turn (issue 16), so one turn per row.
     assert checks["regeneration"]["detail"].startswith("2 rows, 2 turns")
+
+
+def test_smoke_on_a_dataset_runs_the_determinism_check_it_names_or_fails(tmp_path, llama_server):
+    """``--dataset`` without the default determinism pair: the requested check cannot run, so
+    the smoke fails saying so; the pair named with ``--determinism`` is compared and passes;
+    ``--determinism none`` skips it, and the verdict says so."""
+    rows = pre_tokenized(2, seed=21, lo=20, hi=60, prefix="smk")
+    dataset = write_jsonl(tmp_path / "d.jsonl", [*rows, {**rows[0], "id": "smk0-again"}])
+
+    def smoke(*flags: str) -> tuple[subprocess.CompletedProcess, dict]:
+        report = tmp_path / f"smoke{len(flags)}.json"
+        r = subprocess.run([sys.executable, "-m", "hsdump_patch.cli", "smoke", "--server",
+                            llama_server.url, "--dump-dir", str(llama_server.dump_dir),
+                            "--dataset", str(dataset), "--report", str(report),
+                            "--no-progress", *flags],
+                           cwd=REPO, capture_output=True, text=True, timeout=600)
+        return r, json.loads(report.read_text())
+
+    r, verdict = smoke()
+    assert r.returncode == 1, r.stdout + r.stderr
+    last = r.stdout.strip().splitlines()[-1]
+    assert last.startswith("hsdump smoke: FAIL (determinism) (checks run: server.json, "
+                           "extraction, records, determinism, dump dir clean, regeneration;")
+    assert (f"  FAIL determinism: requested but cannot run: no sample 'determinism-a' in "
+            f"--dataset {dataset}") in r.stdout
+    assert "--determinism ID_A,ID_B, or skip the check with --determinism none" in r.stdout
+    assert [c["check"] for c in verdict["checks"] if not c["passed"]] == ["determinism"]
+
+    r, verdict = smoke("--determinism", "smk0,smk0-again")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "  ok   determinism: 'smk0' and 'smk0-again', one prompt: bitwise identical" in r.stdout
+    assert verdict["passed"] and "determinism" in verdict["ran"] and verdict["skipped"] == []
+
+    r, verdict = smoke("--determinism", "none")  # skipped on request: said, and not a failure
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "  skip determinism: not requested (--determinism none)" in r.stdout
+    assert "; skipped: determinism; report: " in r.stdout.strip().splitlines()[-1]
+    assert "determinism" not in verdict["ran"] and verdict["skipped"] == [
+        {"check": "determinism", "why": "not requested (--determinism none)"}]
 
 
 def test_smoke_fails_when_the_dump_dir_is_not_the_servers(tmp_path, llama_server):
