@@ -97,7 +97,7 @@ lanes-containers:
 	OMP_NUM_THREADS=1 $(PYTEST) tests/image tests/ansible $(PYTEST_ARGS)
 
 lint: $(STAMP) ## ruff over the package, tests and scripts; the import contract (pyproject.toml)
-	$(VENV)/bin/ruff check hsdump_patch tests scripts
+	$(VENV)/bin/ruff check hsdump_patch tests scripts judge
 	$(VENV)/bin/lint-imports
 
 .PHONY: help venv prereqs disk test test-unit test-server test-image test-ansible lanes-host \
