@@ -93,6 +93,9 @@ class WriterStats(FileStats):
     writer_pid: int = 0  # the process that writes the files
     writer_process_deaths: int = 0  # process mode: the writer process died (dumping stopped)
     writer_error: str | None = None  # why dumping stopped, when it did
+    # process mode on CUDA: staging pages left pageable because cudaHostRegister failed (the
+    # copies into them serialise with the host)
+    pin_failed_pages: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -464,14 +467,22 @@ class DumpWriter:
                 logger.exception("hsdump: could not pin the staging pool ahead; pinning on "
                                  "demand")
                 return
-            # Unregistered pages still work (copies into them are synchronous, and slow).
-            logger.exception("hsdump: could not register the shared staging pages with CUDA; "
-                             "using them unpinned (slow copies)")
+            # Unregistered pages still work, but copies into pageable memory are synchronous.
             with self._cond:
                 first, self._pool_pages = self._pool_pages, self._cap_pages
                 self._free.extend(self._shared_page(i) for i in range(first, self._cap_pages))
                 self._stats.staging_bytes = self._pool_pages * self.page_bytes
+                self._stats.pin_failed_pages = self._cap_pages - first
                 self._cond.notify_all()
+            logger.exception(
+                "hsdump: pinning the shared staging pages with cudaHostRegister failed at page "
+                "%d: %d of %d pages (%d MiB) stay pageable memory, so the device-to-host "
+                "copies into them will serialise with the host (the forward's thread waits "
+                "for each one); counted in status.json as writer.pin_failed_pages (hsdump "
+                "verify fails on it). Restart the server, or set SGLANG_HS_DUMP_WRITER=thread "
+                "(pages pinned with cudaHostAlloc)",
+                first, self._cap_pages - first, self._cap_pages,
+                (self._cap_pages - first) * self.page_bytes >> 20)
 
     def _pin_shared(self, i: int) -> _Page:
         """Register shared page ``i`` with CUDA, so copies into it are asynchronous DMA."""

@@ -20,7 +20,8 @@ e. the configurations the patch must refuse are refused (SGLang's resolved confi
    launch);
 f. the dump's overhead: the forward at Kimi-K2.5's shapes on vs off (``scripts/bench_forward.py``
    on the GPU, 2% floor), prefill tokens/s on vs off, writer-rank vs other-rank peak GPU
-   memory, the writer rank's CPU time.
+   memory, the writer rank's CPU time, and no staging page left pageable by a failed
+   ``cudaHostRegister`` (``status.json``).
 
 Prints a verdict table, writes a JSON report, exits 1 on any FAIL. Without a GPU it runs the
 CPU variant (TP 1 and 2, proportionally smaller batches).
@@ -393,6 +394,36 @@ def check_ranks(server: VerifyServer) -> Verdict:
                    "; ".join(problems) or detail, data)
 
 
+def writer_status(dump_dir: Path) -> dict[str, Any] | None:
+    """The writer rank's ``status.json`` (None: unreadable)."""
+    try:
+        return json.loads((dump_dir / protocol.STATUS).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def check_staging(status: dict[str, Any] | None, tp: int) -> Verdict:
+    """Check (f): no staging page of the writer is pageable memory because
+    ``cudaHostRegister`` failed on it (``writer.pin_failed_pages`` of ``status.json``, read
+    after the timed rounds): copies into such pages serialise with the host."""
+    scope = f"tp {tp} staging"
+    writer = (status or {}).get("writer")
+    if not writer:
+        return Verdict("f", scope, FAIL, "no writer counters in the writer rank's "
+                       f"{protocol.STATUS}")
+    failed = writer["pin_failed_pages"]
+    data = {"writer": writer}
+    if failed:
+        return Verdict("f", scope, FAIL,
+                       f"writer.pin_failed_pages is {failed} in {protocol.STATUS}: "
+                       f"cudaHostRegister failed, {failed} staging pages are pageable memory "
+                       "and the device-to-host copies into them serialise with the host (the "
+                       "server log says why)", data)
+    return Verdict("f", scope, PASS, f"writer.pin_failed_pages is 0 in {protocol.STATUS} "
+                   f"({writer['mode']} writer, {writer['staging_bytes'] >> 20} MiB staging)",
+                   data)
+
+
 @dataclass
 class TpRun:
     """What the dump-on and dump-off servers of one TP size returned."""
@@ -484,6 +515,7 @@ def run_tp(settings: Settings, model: Path, tp: int, dumps: dict[str, Dumped]) -
             res.tput[key] = measure_prefill(server, settings)
             if dump:
                 res.verdicts.append(check_ranks(server))
+                res.verdicts.append(check_staging(writer_status(server.dump_dir), tp))
                 res.capture_buffer = capture_buffer(server.log())
             elif "hsdump: capturing" in server.log():
                 res.verdicts.append(Verdict("d", f"tp {tp}", FAIL,

@@ -16,7 +16,7 @@ from tests.harness import server as srv
 EXPECTED = {("a", "tp 1"), ("a", "tp 2"), ("b", "all"), ("c", "tp 1"), ("c", "tp 2"),
             ("d", "tp 1"), ("d", "tp 2"), ("e", "resolved config"),
             ("e", "launch: radix cache on"), ("f", "tp 1"), ("f", "tp 2"),
-            ("f", "forward at Kimi-K2.5 shapes")}
+            ("f", "tp 1 staging"), ("f", "tp 2 staging"), ("f", "forward at Kimi-K2.5 shapes")}
 SKIPPED_ON_CPU = {("f", "forward at Kimi-K2.5 shapes")}
 
 

@@ -3,6 +3,8 @@ itself runs in tests/server/test_verify.py)."""
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from hsdump_patch.ops import verify, verify_checks
@@ -37,3 +39,16 @@ def test_outputs_check_needs_a_repeating_server_then_equal_outputs():
     assert verdict([gen, gen], [gen, gen]) == verify.PASS
     assert verdict([other, other], [gen, gen]) == verify.FAIL
     assert verdict([gen, gen], [gen, other]) == verify.FAIL
+
+
+def test_staging_check_fails_on_pages_a_failed_cuda_host_register_left_pageable(tmp_path):
+    writer = {"mode": "process", "staging_bytes": 4 << 30, "pin_failed_pages": 0}
+    (tmp_path / "status.json").write_text(json.dumps({"writer": writer}))
+    ok = verify.check_staging(verify.writer_status(tmp_path), 8)
+    assert (ok.check, ok.scope, ok.verdict) == ("f", "tp 8 staging", verify.PASS)
+    bad = verify.check_staging({"writer": {**writer, "pin_failed_pages": 512}}, 8)
+    assert bad.verdict == verify.FAIL
+    assert bad.detail.startswith("writer.pin_failed_pages is 512 in status.json: "
+                                 "cudaHostRegister failed, 512 staging pages are pageable")
+    assert verify.writer_status(tmp_path / "none") is None
+    assert verify.check_staging(None, 8).verdict == verify.FAIL  # no status.json

@@ -709,3 +709,45 @@ def test_writer_mode_setting_defaults_to_the_process_and_refuses_other_values() 
     with pytest.raises(ValueError, match="writer mode must be one of"):
         DumpWriter(Path("/nonexistent"), max_inflight_bytes=1 << 20, min_free_bytes=0,
                    threads=1, device=CPU, mode="fork")
+
+
+def test_a_failed_cuda_host_register_is_counted_logged_and_in_status(
+        dump_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Process mode on CUDA: when cudaHostRegister fails part-way (here on the 4th page), the
+    pages left pageable are counted (writer.pin_failed_pages in status.json), the failure is
+    logged once at error level, and the pages registered are unregistered at close. No GPU:
+    torch.cuda.cudart (the CUDA runtime) is a stand-in, and so are the stream and set_device."""
+    from types import SimpleNamespace
+
+    from hsdump_patch.capture.session import CaptureSession
+
+    registered: list[int] = []
+    unregistered: list[int] = []
+
+    def register(ptr: int, nbytes: int, flags: int) -> int:
+        if len(registered) == 3:
+            return 2  # cudaErrorMemoryAllocation
+        registered.append(ptr)
+        return 0
+
+    cudart = SimpleNamespace(cudaHostRegister=register, cudaHostUnregister=unregistered.append)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: object())
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
+    cap = 64 << 20  # 16 pages of 4 MiB (shared memory, never touched)
+    with caplog.at_level("INFO", logger="hsdump"):
+        w = DumpWriter(dump_dir, max_inflight_bytes=cap, min_free_bytes=0, threads=1,
+                       device=torch.device("cuda", 0), mode="process")
+        w.close()  # joins the pinning thread
+    assert w.stats.pin_failed_pages == 13 and len(registered) == 3
+    assert unregistered == registered
+    errors = [r for r in caplog.records if "cudaHostRegister" in r.getMessage()]
+    assert len(errors) == 1 and errors[0].levelname == "ERROR"
+    assert ("failed at page 3: 13 of 16 pages (52 MiB) stay pageable memory, so the "
+            "device-to-host copies into them will serialise with the host"
+            ) in errors[0].getMessage()
+    session = SimpleNamespace(writer=w, forwards_dumped=0, errors=0, prompt_lens={},
+                              in_progress={}, decode_tails={})
+    status = json.loads(json.dumps(CaptureSession.status(session)))  # as status.json has it
+    assert status["writer"]["pin_failed_pages"] == 13
