@@ -24,7 +24,6 @@ from hsdump_patch.cli import main as cli
 from hsdump_patch.client.output.rowlog import RowLog
 from hsdump_patch.client.regenerate import (
     ROW_FIELD,
-    SERVER_DEFAULTS,
     RegenClient,
     Regenerator,
     RegenSettings,
@@ -37,6 +36,7 @@ from tests.harness import server as srv
 from tests.harness.dump_server import prefills, start_plain_server
 from tests.harness.extraction import extract, read_report
 from tests.harness.rows import CONV, openai_row, sharegpt_row, write_jsonl
+from tests.harness.sglang_defaults import sglang_chat_defaults
 
 REPO = Path(__file__).resolve().parents[2]
 NEW = 6  # --max-new-tokens
@@ -413,9 +413,10 @@ def test_sampling_defaults_to_the_served_chat_api_never_silently_greedy(
     out = tmp_path / "default.jsonl"
     assert regenerate(llama_server, dataset, out, greedy=False) == 0
     rep = report_of(out)
-    assert rep["sampling"] == SERVER_DEFAULTS
+    sglangs = sglang_chat_defaults()  # SGLang's own, not the product's copy
+    assert rep["sampling"] == sglangs
     assert set(rep["sampling_source"].values()) == {"sglang default"}
-    assert read_rows(out)[0][ROW_FIELD]["sampling"] == SERVER_DEFAULTS
+    assert read_rows(out)[0][ROW_FIELD]["sampling"] == sglangs
     assert "temperature=1.0 (sglang default)" in capsys.readouterr().err
 
     model = tmp_path / "model"  # the tokenizer, with a generation config that samples
@@ -428,7 +429,7 @@ def test_sampling_defaults_to_the_served_chat_api_never_silently_greedy(
     assert regenerate(llama_server, dataset, out, "--model", str(model), "--seed", "7",
                       greedy=False) == 0
     rep = report_of(out)
-    assert rep["sampling"] == {**SERVER_DEFAULTS, "temperature": 0.6, "top_p": 0.95,
+    assert rep["sampling"] == {**sglangs, "temperature": 0.6, "top_p": 0.95,
                                "sampling_seed": 7}
     assert rep["sampling_source"]["top_p"] == "generation_config.json"
     err = capsys.readouterr().err
