@@ -72,13 +72,13 @@ test: prereqs disk $(STAMP) $(SPECFORGE_DIR) ## Run every lane of the test suite
 test-unit: $(STAMP) ## The unit lane: no server, no container (under 2 minutes)
 	$(PYTEST) tests/unit $(PYTEST_ARGS)
 
-test-server: $(STAMP) $(SPECFORGE_DIR) ## The server lane: real CPU SGLang servers
+test-server: prereqs $(STAMP) $(SPECFORGE_DIR) ## The server lane: real CPU SGLang servers
 	$(PYTEST) tests/server $(PYTEST_ARGS)
 
 test-image: prereqs $(STAMP) ## The image lane: builds and runs the Docker image (stand-in base)
 	$(PYTEST) tests/image $(PYTEST_ARGS)
 
-test-ansible: prereqs $(STAMP) ## The Ansible lane: real ansible-playbook runs against containers
+test-ansible: prereqs $(STAMP) $(SPECFORGE_DIR) ## The Ansible lane: real ansible-playbook runs against containers
 	$(PYTEST) tests/ansible $(PYTEST_ARGS)
 
 # make test's two processes (set up by make test itself). Keep every server-lane file in the

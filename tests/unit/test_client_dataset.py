@@ -18,8 +18,7 @@ from tests.harness.rows import CONV, openai_row, reference, sharegpt_row, write_
 
 @pytest.fixture(scope="module")
 def tok_dir(tmp_path_factory) -> Path:
-    pytest.importorskip("tokenizers")
-    from tests.harness.make_models import make_tokenizer
+    from tests.harness.make_models import make_tokenizer  # tokenizers: installed with SGLang
 
     path = tmp_path_factory.mktemp("tok")
     make_tokenizer(path)

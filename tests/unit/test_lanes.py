@@ -155,3 +155,16 @@ def test_the_plugin_log_pattern_matches_every_message_of_the_plugin():
            "[2026-01-01 00:00:00 TP0] hsdump: capturing the residual stream\n")
     assert plugin_log_lines(log) == ["[2026-01-01 00:00:00 TP0] hsdump: capturing the residual "
                                      "stream"]
+
+
+def test_each_lane_target_sets_up_what_its_tests_use():
+    """A lane run alone on a fresh clone has what its tests need: the system packages
+    (``prereqs``: Docker for the server lane's bridge tests, the image and Ansible lanes) and
+    SpecForge's code (the server lane's trainer tests, the Ansible lane's online test)."""
+    rules = dict(line.split(":", 1) for line in (ROOT / "Makefile").read_text().splitlines()
+                 if re.match(r"test-\w+:", line))
+    needs = {"unit": set(), "server": {"prereqs", "$(SPECFORGE_DIR)"}, "image": {"prereqs"},
+             "ansible": {"prereqs", "$(SPECFORGE_DIR)"}}
+    for lane, want in needs.items():
+        prerequisites = set(rules[f"test-{lane}"].split("##")[0].split())
+        assert want | {"$(STAMP)"} <= prerequisites, lane
