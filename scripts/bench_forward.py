@@ -31,6 +31,9 @@ the files and checked against what the forward produced; a failed check exits 1.
 ``--diagnose`` and ``--profile`` add a breakdown (see their help). ``--order overlap`` enqueues
 each timed forward while the forward before it runs, as SGLang's default overlap scheduler
 does for consecutive prefill batches, and times its span on the device instead.
+``--host-us-per-layer`` makes the forward host-bound as SGLang's eager forward is: before each
+layer's matmuls the host spends that long in Python launching tiny kernels (one more grid
+dimension), which is where the writer's hand-overs of the GIL can cost.
 
     python scripts/bench_forward.py                  # cuda: Kimi-K2.5 shapes into /dev/shm
     python scripts/bench_forward.py --device cpu     # tiny shapes, a smoke test anywhere
@@ -95,6 +98,13 @@ DEFAULTS = {
     "cpu": {"hidden": 64, "layers": 6, "aux": "1,3", "chunks": "32,64", "us": "100",
             "requests": 3, "forwards": 3, "rounds": 1, "gap": 0.0},
 }
+# --host-us-per-layer's grid on a GPU. An eager SGLang 0.5.23 DeepSeek-V3 / Kimi-K2.5 decoder
+# layer (deepseek_v2.py: the layer communicator's fused add+RMSNorm, MLA's q_a / kv_a
+# projections, their norms, q_b / kv_b, rotary, the attention kernel, o_proj, the TP
+# all-reduce, the MoE router and top-k, the fused-MoE kernels, the shared experts, the
+# combine) launches roughly 40-60 kernels from Python; at 5-15 us of host time each that is
+# ~200-900 us per layer. The grid brackets it, with 0 (today's synthetic forward) as the floor.
+HOST_US_CUDA = "0,100,300,1000"
 # Layers at which --diagnose records the host's enqueue time and the device's start time.
 TIMELINE = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)
 
@@ -118,6 +128,8 @@ class Model:
         self._col = (torch.arange(hidden, device=device) % 101).to(torch.bfloat16)
         self.ids = torch.empty(tokens, dtype=torch.int32, device=device)
         self.positions = torch.empty(tokens, dtype=torch.int64, device=device)  # set by Bench
+        self.host_us = 0.0  # host work before each layer (--host-us-per-layer)
+        self._tiny = torch.ones(8, dtype=torch.float32, device=device)
 
     def fill(self, out: torch.Tensor, forward: int, slot: int) -> torch.Tensor:
         """Write ``pattern(forward, slot)`` (exact in bf16) into ``out``."""
@@ -126,8 +138,16 @@ class Model:
         return out
 
     def layer(self) -> None:
+        self.host_work()
         torch.mm(self.x, self.w1, out=self.h)
         torch.mm(self.h, self.w2, out=self.x)
+
+    def host_work(self) -> None:
+        """``host_us`` microseconds of Python launching tiny kernels, as an eager layer's
+        small ops keep the host (and the GIL) busy between its large kernels."""
+        end = time.perf_counter() + self.host_us * 1e-6
+        while time.perf_counter() < end:
+            self._tiny.mul_(1.0)
 
     def embed(self, forward: int) -> None:
         torch.remainder(self._t * 31 + forward, VOCAB, out=self.ids)
@@ -236,6 +256,7 @@ class Point:
     tokens: int
     us_target: float
     inner: int
+    host_us: float = 0.0
     samples: dict[str, list[Sample]] = field(default_factory=dict)
 
     def median(self, cond: str, attr: str = "wall_ms") -> float:
@@ -526,15 +547,16 @@ class Bench:
         elif cond == "onflush" and not w.flush(timeout=600):
             self.errors.append("the writer did not drain in 600 s")
 
-    def point(self, tokens: int, us: float) -> Point:
+    def point(self, tokens: int, us: float, host_us: float = 0.0) -> Point:
         """Measure one point: per ABBA round, each condition runs one block of ``--warmup``
         untimed forwards then ``--forwards`` timed ones (so every timed forward follows one of
         its own condition, as in steady state), from an idle writer (drained and checked
         between blocks, untimed, then ``--gap`` seconds of idle device, so that no block starts
         right after another's forwards). With one timed forward per block the conditions
         alternate forward by forward, so the drift of the machine cancels to well under 1%."""
-        model, inner = self.calibrate(tokens, us)
-        p = Point(tokens, us, inner)
+        model, inner = self.calibrate(tokens, us)  # the device's work, without host work
+        model.host_us = host_us
+        p = Point(tokens, us, inner, host_us)
         conds = CONDITIONS + tuple(self.args.diagnose)
         abba = conds + conds[::-1]
         p.samples = {c: [] for c in conds}
@@ -595,6 +617,7 @@ def table(points: list[Point]) -> list[dict]:
         off = p.median("off")
         rows.append({
             "tokens": p.tokens, "us_per_token_target": p.us_target,
+            "host_us_per_layer": p.host_us,
             "us_per_token_off": round(off * 1e3 / p.tokens, 2), "inner": p.inner,
             "off_ms": round(off, 2), "on_ms": round(p.median("on"), 2),
             "old_ms": round(p.median("old"), 2),
@@ -661,15 +684,16 @@ def _medians(samples: list[Sample], attr: str) -> list[float]:
 
 def print_table(rows: list[dict]) -> None:
     on, alt = config.DEFAULT_WRITER_MODE, ALT
-    print(f"| tokens | us/token (off) | off ms | on ms ({on}) | on/off | {alt} ms | {alt}/off "
-          f"| old/off (1 buffer) | paired on/off: median (q1-q3) | paired {alt}/off: median "
-          f"(q1-q3) | paired on/{alt} | max host wait ms on / {alt} | device ms off / on / "
-          f"{alt} | hand-off host ms on / {alt} |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print(f"| tokens | host us/layer | us/token (off) | off ms | on ms ({on}) | on/off | "
+          f"{alt} ms | {alt}/off | old/off (1 buffer) | paired on/off: median (q1-q3) | "
+          f"paired {alt}/off: median (q1-q3) | paired on/{alt} | max host wait ms on / {alt} | "
+          f"device ms off / on / {alt} | hand-off host ms on / {alt} |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         pon, palt, pvs = (r["on_vs_off_paired"], r[f"{alt}_vs_off_paired"],
                           r[f"on_vs_{alt}_paired"])
-        print(f"| {r['tokens']} | {r['us_per_token_off']:.1f} | {r['off_ms']:.2f} | "
+        print(f"| {r['tokens']} | {r['host_us_per_layer']:g} | {r['us_per_token_off']:.1f} | "
+              f"{r['off_ms']:.2f} | "
               f"{r['on_ms']:.2f} | {r['on_vs_off']:.3f} | {r[f'{alt}_ms']:.2f} | "
               f"{r[f'{alt}_vs_off']:.3f} | {r['old_vs_off']:.3f} | "
               f"{pon['median']:.3f} ({pon['q1']:.3f}-{pon['q3']:.3f}) | "
@@ -699,6 +723,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.add_argument(f"--{name}", default=None,
                         help=f"{help_} (default: {DEFAULTS['cuda'][key]} on cuda, "
                              f"{DEFAULTS['cpu'][key]} on cpu)")
+    ap.add_argument("--host-us-per-layer", default=None,
+                    help="host microseconds of Python and tiny kernel launches before each "
+                         "layer, comma-separated: a grid dimension (an eager SGLang DeepSeek / "
+                         "Kimi layer: ~200-900 us, see HOST_US_CUDA's comment) (default: "
+                         f"{HOST_US_CUDA} on cuda, 0 on cpu)")
     ap.add_argument("--warmup", type=int, default=1,
                     help="untimed forwards at the start of each block (default: 1)")
     ap.add_argument("--gap", type=float, default=None,
@@ -745,6 +774,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       ("chunks", "chunks"), ("us_per_token", "us"), ("gap", "gap")):
         if getattr(args, name) is None:
             setattr(args, name, d[key])
+    if args.host_us_per_layer is None:
+        args.host_us_per_layer = HOST_US_CUDA if args.device == "cuda" else "0"
     args.diagnose = [c for c in args.diagnose.split(",") if c]
     unknown = sorted(set(args.diagnose) - set(DIAGNOSTIC))
     if unknown:
@@ -780,12 +811,14 @@ def main(argv: list[str] | None = None) -> int:
     points = []
     try:
         for tokens in (int(x) for x in args.chunks.split(",")):
-            for us in (float(x) for x in args.us_per_token.split(",")):
+            for us, host in itertools.product(
+                    (float(x) for x in args.us_per_token.split(",")),
+                    [float(x) for x in args.host_us_per_layer.split(",")]):
                 t0 = time.perf_counter()
-                points.append(bench.point(tokens, us))
+                points.append(bench.point(tokens, us, host))
                 r = table(points[-1:])[0]
-                print(f"# {tokens} tokens, ~{us:g} us/token: {json.dumps(r)} "
-                      f"({time.perf_counter() - t0:.0f} s)", flush=True)
+                print(f"# {tokens} tokens, ~{us:g} us/token, {host:g} host us/layer: "
+                      f"{json.dumps(r)} ({time.perf_counter() - t0:.0f} s)", flush=True)
     finally:
         for w in bench.writers.values():
             w.close()

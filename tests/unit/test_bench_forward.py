@@ -48,6 +48,31 @@ def test_bench_forward_cpu_checks_every_dumped_value(tmp_path: Path) -> None:
     assert not any((tmp_path / "dump").iterdir())  # checked files are removed
 
 
+def test_bench_forward_host_bound_forward_is_a_grid_dimension_and_costs_host_time(
+        tmp_path: Path) -> None:
+    """``--host-us-per-layer``: each load is a point of its own (every value still checked),
+    and the host work really lengthens the forward: per layer, off's time grows by about the
+    host microseconds asked for."""
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_forward.py"), "--device", "cpu",
+         "--hidden", "32", "--layers", "4", "--aux-layers", "1,2", "--chunks", "16",
+         "--us-per-token", "50", "--requests", "2", "--forwards", "3", "--threads", "2",
+         "--host-us-per-layer", "0,2000", "--cap", str(1 << 20), "--dump-dir",
+         str(tmp_path / "dump"), "--json", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "| tokens | host us/layer |" in proc.stdout
+    result = json.loads(out.read_text())
+    assert result["errors"] == []
+    rows = result["rows"]
+    assert [(r["tokens"], r["host_us_per_layer"]) for r in rows] == [(16, 0.0), (16, 2000.0)]
+    assert all(r["samples"] == {"off": 6, "on": 6, "thread": 6, "old": 6} for r in rows)
+    added = rows[1]["off_ms"] - rows[0]["off_ms"]  # 4 layers x 2 ms of host work
+    assert 7.0 <= added <= 12.0, rows
+    assert result["verified_files"] == 2 * (3 * 2 * 4 * 2)
+
+
 def test_bench_forward_overlap_order_runs_on_cpu_and_needs_one_timed_forward(
         tmp_path: Path) -> None:
     """``--order overlap`` (the timed forward enqueued while the one before runs) needs one
