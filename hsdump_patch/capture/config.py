@@ -35,6 +35,11 @@ DEFAULT_WRITER_THREADS = 8
 ENV_WRITER_MODE = "SGLANG_HS_DUMP_WRITER"
 WRITER_MODES = ("process", "thread")
 DEFAULT_WRITER_MODE = "process"
+# The longest the forward's thread waits for the writer (staging pages) before it fails the
+# chunk's request and marks the writer stalled: far below SGLang's watchdog (300 s).
+ENV_STALL_S = "SGLANG_HS_DUMP_STALL_S"
+DEFAULT_STALL_S = 5.0
+MAX_STALL_S = 60.0
 
 _RID_PREFIX_RE = re.compile(r"^[A-Za-z0-9._:-]+$")
 
@@ -106,6 +111,7 @@ class DumpConfig:
     min_free_bytes: int
     writer_threads: int
     writer_mode: str = DEFAULT_WRITER_MODE
+    stall_s: float = DEFAULT_STALL_S
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> DumpConfig | None:
@@ -154,6 +160,16 @@ class DumpConfig:
                 f"{ENV_WRITER_MODE}={env[ENV_WRITER_MODE]!r} must be one of "
                 f"{', '.join(WRITER_MODES)} (default {DEFAULT_WRITER_MODE}: a writer process, "
                 "off the forward's GIL)")
+        stall_raw = env.get(ENV_STALL_S, str(DEFAULT_STALL_S))
+        try:
+            stall_s = float(stall_raw)
+        except ValueError:
+            stall_s = -1.0
+        if not 0 < stall_s <= MAX_STALL_S:
+            raise ConfigError(
+                f"{ENV_STALL_S}={stall_raw!r} must be a number of seconds in (0, {MAX_STALL_S:g}] "
+                f"(default {DEFAULT_STALL_S:g}): the longest a forward waits for a stalled "
+                "writer, far below SGLang's watchdog")
         return cls(
             dump_dir=dump_dir,
             layers=layers,
@@ -165,4 +181,5 @@ class DumpConfig:
             min_free_bytes=min_free,
             writer_threads=int(threads_raw),
             writer_mode=mode,
+            stall_s=stall_s,
         )

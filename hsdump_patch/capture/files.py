@@ -140,13 +140,18 @@ class FileWriter:
             return state is not None and state.error is not None
 
     def fail(self, rid: str, reason: str | None, prompt_len: int | None,
-             internal: bool = False, tag: int = 0) -> None:
+             internal: bool = False, tag: int = 0, marked: bool = False) -> None:
         """Record ``reason`` (None: keep the earlier one) and the prompt length, then finish
-        (``internal``: also count an internal error; ``tag``: see the class)."""
-        if internal:
-            with self._lock:
+        (``internal``: also count an internal error; ``tag``: see the class; ``marked``: the
+        error marker is written already, by the writer process's parent: write none)."""
+        state = self._rid_state(rid, tag)
+        with self._lock:
+            if internal:
                 self.stats.internal_errors += 1
-        self._fail(rid, self._rid_state(rid, tag), reason, prompt_len)
+            if marked:
+                state.error = state.error or reason
+                state.marker_written = True
+        self._fail(rid, state, reason, prompt_len)
         self._settled()
 
     def add(self, rid: str, prefix_len: int, tokens: int, prompt_len: int | None,

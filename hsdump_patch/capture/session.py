@@ -342,6 +342,7 @@ class CaptureSession:
                 threads=config.writer_threads,
                 device=self.device,
                 mode=config.writer_mode,
+                stall_s=config.stall_s,
             )
             self.buffers = CaptureBuffers(self.writer, self.slots, self.stack.hidden_size,
                                           self.dtype, self.device)

@@ -18,9 +18,13 @@ grows past ``max_inflight_bytes`` (in thread mode a chunk larger than the cap go
 alone, and its extra pages are dropped after it; in process mode the pool is one fixed shared
 region and such a chunk fails its request with a message naming the cap). On CUDA the pool is
 pinned up to the cap by a background thread at start; after that no page is allocated. When
-the cap is reached the forward thread waits rather than memory growing. A free-space guard
-refuses a chunk that would push the dump dir below its reserve and turns the request into an
-error marker instead. Nothing here raises into the forward: errors are counted, logged and
+the cap is reached the forward thread waits rather than memory growing, but never longer than
+``stall_s`` (``SGLANG_HS_DUMP_STALL_S``) per forward: a writer that gives no page back in that
+time (stopped, blocked in the kernel, starved of CPU) is marked stalled, the chunk's request
+gets an error marker, and later chunks fail at once, without a wait, until the writer shows
+progress again (pages given back; in process mode also its ``settled`` counter). A free-space
+guard refuses a chunk that would push the dump dir below its reserve and turns the request into
+an error marker instead. Nothing here raises into the forward: errors are counted, logged and
 reported in the error marker.
 
 On CUDA every thread of the writer binds to the writer's device before its first CUDA call
@@ -44,6 +48,7 @@ import numpy as np
 import torch
 
 from hsdump_patch import protocol
+from hsdump_patch.capture.config import DEFAULT_STALL_S, ENV_STALL_S
 from hsdump_patch.capture.files import FileStats, FileWriter
 from hsdump_patch.capture.writer_proc import FREE, RELEASED, ProcessFiles, SharedRegion
 
@@ -96,6 +101,9 @@ class WriterStats(FileStats):
     # process mode on CUDA: staging pages left pageable because cudaHostRegister failed (the
     # copies into them serialise with the host)
     pin_failed_pages: int = 0
+    stalled: bool = False  # the writer gave no page back within the stall bound, and since
+    stalls: int = 0  # stall episodes
+    stalled_chunks: int = 0  # chunks whose request failed because the writer was stalled
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -103,6 +111,10 @@ class WriterStats(FileStats):
 
 class ChunkTooLarge(ValueError):
     """Process mode: a chunk needs more staging than the whole (fixed) shared region."""
+
+
+class WriterStalled(RuntimeError):
+    """The writer gave no staging page back within the stall bound (or is still stalled)."""
 
 
 class DumpWriter:
@@ -118,15 +130,18 @@ class DumpWriter:
         device: torch.device,
         blocking_events: bool = True,
         mode: str = "thread",
+        stall_s: float = DEFAULT_STALL_S,
     ) -> None:
         """``blocking_events=False`` makes the copy waits spin (only to measure what that
-        costs, in scripts/bench_writer.py). ``mode``: one of :data:`MODES`."""
+        costs, in scripts/bench_writer.py). ``mode``: one of :data:`MODES`. ``stall_s``: the
+        longest one :meth:`submit_forward` waits for staging pages."""
         if mode not in MODES:
             raise ValueError(f"writer mode must be one of {MODES}, not {mode!r}")
         self.dump_dir = Path(dump_dir)
         self.max_inflight_bytes = max_inflight_bytes
         self.min_free_bytes = min_free_bytes
         self.mode = mode
+        self.stall_s = stall_s
         self._stats = WriterStats(mode=mode)
         self._cuda = device.type == "cuda"
         self._blocking_events = blocking_events
@@ -139,6 +154,9 @@ class DumpWriter:
         self._pool_pages = 0
         self._free: list[_Page] = []
         self._closed = False
+        self._progress = 0  # pages given back by the file side (thread) or reclaimed (process)
+        self._stalled_at: float | None = None  # time.monotonic() the current stall began
+        self._stall_mark = 0  # _writer_progress() when it began
         self._cond = threading.Condition()
         self._region: SharedRegion | None = None
         self._registered: list[int] = []  # process mode on CUDA: addresses to unregister
@@ -186,6 +204,7 @@ class DumpWriter:
             closed = self._closed
         stopped = "the dump writer is shut down" if closed else self._files.dead
         fs_free = self._fs_free()
+        deadline = time.monotonic() + self.stall_s  # one bound for the whole forward
         staged: list[_Staged] = []
         for chunk in chunks:
             rid, prompt_len = chunk.meta.rid, chunk.prompt_len
@@ -208,9 +227,12 @@ class DumpWriter:
                 self._files.fail(rid, reason, prompt_len)
                 continue
             try:
-                pages = self._acquire(-(-nbytes // self.page_bytes))
+                pages = self._acquire(-(-nbytes // self.page_bytes), deadline)
             except ChunkTooLarge as e:
                 self._files.fail(rid, str(e), prompt_len)
+                continue
+            except WriterStalled as e:
+                self._fail_stalled(rid, str(e), prompt_len)
                 continue
             except Exception as e:
                 self._internal_error(rid, prompt_len, f"cannot allocate staging: {e!r}")
@@ -296,6 +318,8 @@ class DumpWriter:
         self._stats.writer_pid = self.writer_pid
         self._stats.writer_process_deaths = self._files.deaths
         self._stats.writer_error = self._files.dead
+        with self._cond:
+            self._check_recovered()
         return self._stats
 
     @property
@@ -372,16 +396,15 @@ class DumpWriter:
         logger.exception("hsdump: internal error on a chunk of %s", rid)
         self._files.fail(rid, f"internal error: {reason}", prompt_len, internal=True)
 
-    def _acquire(self, npages: int) -> list[_Page]:
+    def _acquire(self, npages: int, deadline: float) -> list[_Page]:
+        """Take ``npages`` staging pages, waiting for the file side until ``deadline`` at most
+        (:class:`WriterStalled` then, or at once while the writer is stalled)."""
         if self._region is not None:
-            return self._acquire_shared(npages)
+            return self._acquire_shared(npages, deadline)
         with self._cond:
-            if self._used_pages and self._used_pages + npages > self._cap_pages:
-                t0 = time.perf_counter()
-                # A chunk larger than the cap still goes through, alone.
-                while self._used_pages and self._used_pages + npages > self._cap_pages:
-                    self._cond.wait()
-                self._stats.forward_wait_s += time.perf_counter() - t0
+            # A chunk larger than the cap still goes through, alone.
+            self._wait_for(lambda: not self._used_pages
+                           or self._used_pages + npages <= self._cap_pages, deadline)
             pages = self._take(npages)
             missing = npages - len(pages)
             self._pool_pages += missing
@@ -397,26 +420,88 @@ class DumpWriter:
             raise
         return pages
 
-    def _acquire_shared(self, npages: int) -> list[_Page]:
-        """Process mode: wait (polling) until the writer process has given back enough pages
-        of the fixed region (and, at start, until the filler has pinned them)."""
+    def _acquire_shared(self, npages: int, deadline: float) -> list[_Page]:
+        """Process mode: wait (polling, until ``deadline`` at most) until the writer process
+        has given back enough pages of the fixed region (and, at start, until the filler has
+        pinned them)."""
         if npages > self._cap_pages:
             raise ChunkTooLarge(
                 f"a chunk of {npages * self.page_bytes} bytes needs more staging than the "
                 f"in-flight cap of {self.max_inflight_bytes} bytes "
                 f"({protocol.ENV_MAX_INFLIGHT}): raise it above the largest chunk (chunked "
                 "prefill size x captured states x hidden size x dtype bytes)")
-        t0 = None
+        def enough() -> bool:
+            self._reclaim()
+            return len(self._free) >= npages
+
         with self._cond:
-            while True:
-                self._reclaim()
-                if len(self._free) >= npages:
-                    break
-                t0 = t0 or time.perf_counter()
-                self._cond.wait(_POLL_S)
-            if t0 is not None:
-                self._stats.forward_wait_s += time.perf_counter() - t0
+            self._wait_for(enough, deadline)
             return self._take(npages)
+
+    def _wait_for(self, ready: Callable[[], bool], deadline: float) -> None:
+        """Wait (lock held) until ``ready()``; raise :class:`WriterStalled` at ``deadline``
+        (the writer is then marked stalled), or at once while it is stalled and has not
+        moved since."""
+        if self._stalled_at is not None and not self._check_recovered():
+            raise WriterStalled(self._stall_reason())
+        if ready():
+            return
+        t0 = time.perf_counter()
+        poll = _POLL_S if self._region is not None else None
+        try:
+            while not ready():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._stalled_at = time.monotonic()
+                    self._stall_mark = self._writer_progress()
+                    self._stats.stalled = True
+                    self._stats.stalls += 1
+                    logger.error("hsdump: %s", self._stall_reason())
+                    raise WriterStalled(self._stall_reason())
+                self._cond.wait(left if poll is None else min(poll, left))
+        finally:
+            self._stats.forward_wait_s += time.perf_counter() - t0
+
+    def _writer_progress(self) -> int:
+        """A count that grows whenever the file side moves (lock held): pages given back, in
+        process mode also the writer process's ``settled`` counter and the pages pinned."""
+        if self._region is None:
+            return self._progress
+        self._reclaim()
+        return self._progress + self._region.counter("settled") + self._pool_pages
+
+    def _check_recovered(self) -> bool:
+        """End a stall once the writer has moved (lock held); return whether it is not
+        stalled (any more)."""
+        if self._stalled_at is None:
+            return True
+        if self._writer_progress() == self._stall_mark:
+            return False
+        logger.warning("hsdump: the writer moves again after %.1f s stalled; dumping resumes "
+                       "(%d chunks failed in %d stalls so far)",
+                       time.monotonic() - self._stalled_at, self._stats.stalled_chunks,
+                       self._stats.stalls)
+        self._stalled_at = None
+        self._stats.stalled = False
+        return True
+
+    def _stall_reason(self) -> str:
+        who = (f"writer process (pid {self.writer_pid}) is" if self._region is not None
+               else "writer threads are")
+        return (f"the hsdump {who} stalled: no staging page came back within "
+                f"{ENV_STALL_S}={self.stall_s:g} s (stopped, blocked in the kernel or starved "
+                "of CPU), so this request is not dumped; the server keeps serving, and dumping "
+                "resumes once the writer moves again")
+
+    def _fail_stalled(self, rid: str, reason: str, prompt_len: int | None) -> None:
+        """Fail ``rid`` for a stall: its error marker is written now, here (in process mode
+        the stalled writer process could not write it)."""
+        with self._cond:
+            self._stats.stalled_chunks += 1
+        if isinstance(self._files, ProcessFiles):
+            self._files.fail_here(rid, reason, prompt_len)
+        else:
+            self._files.fail(rid, reason, prompt_len)
 
     def _take(self, npages: int) -> list[_Page]:
         """Count ``npages`` as used and take what the pool has of them (lock held)."""
@@ -434,6 +519,7 @@ class DumpWriter:
         if back.size:
             state[back] = FREE
             self._used_pages -= back.size
+            self._progress += int(back.size)
             self._free.extend(self._shared_page(int(i)) for i in back)
 
     def _shared_page(self, i: int) -> _Page:
@@ -509,6 +595,7 @@ class DumpWriter:
             return
         with self._cond:
             self._used_pages -= len(pages)
+            self._progress += len(pages)
             for page in pages:
                 if self._pool_pages > self._cap_pages:  # pages of an oversize chunk
                     self._pool_pages -= 1

@@ -182,7 +182,18 @@ class ProcessFiles:
     def fail(self, rid: str, reason: str | None, prompt_len: int | None,
              internal: bool = False) -> None:
         ticket = self._ticket(rid, failed=reason is not None)
-        self._pending.append(("fail", rid, reason, prompt_len, internal, ticket))
+        self._pending.append(("fail", rid, reason, prompt_len, internal, ticket, False))
+
+    def fail_here(self, rid: str, reason: str, prompt_len: int | None) -> None:
+        """Fail ``rid`` with its error marker written here, now (the child is stalled); the
+        child is told, so that it drops the attempt's later chunks and writes no marker."""
+        ticket = self._ticket(rid, failed=True)
+        with self._lock:
+            attempt = self._attempts.get(rid)
+            if attempt is not None:
+                attempt.marked = True
+        self._local_marker(rid, reason)
+        self._pending.append(("fail", rid, reason, prompt_len, False, ticket, True))
 
     def add(self, rid: str, prefix_len: int, tokens: int, prompt_len: int | None,
             pages: Sequence[Page], nbytes: int, ready: Ready | None) -> None:
@@ -414,8 +425,9 @@ class _Child:
         if kind == "begin":
             self.files.begin_request(msg[1])
         elif kind == "fail":
-            _, rid, reason, prompt_len, internal, ticket = msg
-            self.files.fail(rid, reason, prompt_len, internal=internal, tag=ticket)
+            _, rid, reason, prompt_len, internal, ticket, marked = msg
+            self.files.fail(rid, reason, prompt_len, internal=internal, tag=ticket,
+                            marked=marked)
         elif kind == "file":
             _, rid, prefix_len, tokens, prompt_len, pages, nbytes, ticket = msg
             self.files.add(rid, prefix_len, tokens, prompt_len, [self.pages[i] for i in pages],

@@ -13,6 +13,7 @@ import signal
 import stat
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -751,3 +752,106 @@ def test_a_failed_cuda_host_register_is_counted_logged_and_in_status(
                               in_progress={}, decode_tails={})
     status = json.loads(json.dumps(CaptureSession.status(session)))  # as status.json has it
     assert status["writer"]["pin_failed_pages"] == 13
+
+
+STALL_S = 0.5  # the stall bound of the tests below (SGLANG_HS_DUMP_STALL_S)
+
+
+def _submit_in_time(w: DumpWriter, rid: str, tensors: list[tuple[str, torch.Tensor]],
+                    prompt_len: int, limit: float = 10.0) -> float:
+    """Submit one chunk from a thread, as the forward does; fail (not hang) when the submit
+    has not returned within ``limit`` s. Return how long it took."""
+    t0 = time.monotonic()
+    t = threading.Thread(target=w.submit, args=(_meta(rid, 0), tensors, prompt_len),
+                         daemon=True)
+    t.start()
+    t.join(limit)
+    assert not t.is_alive(), f"the submit of {rid} still waits on the stalled writer"
+    return time.monotonic() - t0
+
+
+def _check_stall_and_recovery(w: DumpWriter, dump_dir: Path, resume: Callable[[], None],
+                              who: str) -> None:
+    """``w`` has a 256 KiB cap and a writer that does not move: a chunk of most of the cap is
+    staged and held; the next one waits ``STALL_S`` and fails its request (the writer is then
+    stalled), later ones fail at once; each gets an error marker naming the stall. After
+    ``resume()`` the writer is no longer stalled and later requests are dumped."""
+    from hsdump_patch.capture.config import ENV_STALL_S
+
+    batch = _batch(400, seed=18)  # ~211 KB a chunk: 14 of the 16 pages
+    try:
+        assert _submit_in_time(w, "hsdump-held", _tensors(batch, 0, 400), 400) < STALL_S
+        took = _submit_in_time(w, "hsdump-stall0", _tensors(batch, 0, 400), 400)
+        assert STALL_S <= took < STALL_S + 5
+        assert w.stats.stalled and w.stats.stalls == 1
+        for i in (1, 2, 3):  # stalled, no progress: no wait at all
+            assert _submit_in_time(w, f"hsdump-stall{i}", _tensors(batch, 0, 400), 400) < 0.2
+        for i in range(4):
+            reason = _error(dump_dir, f"hsdump-stall{i}").reason
+            assert f"the hsdump {who} stalled" in reason and f"{ENV_STALL_S}=0.5 s" in reason
+            assert "keeps serving" in reason
+        assert not protocol.request_status(dump_dir, "hsdump-held").finished
+        assert w.stats.stalled and w.stats.stalled_chunks == 4
+    finally:
+        resume()
+    assert _wait_for(lambda: not w.stats.stalled)
+    assert _submit_in_time(w, "hsdump-after", _tensors(batch, 0, 400), 400) < STALL_S + 5
+    assert w.flush(timeout=30)
+    w.close()
+    for rid in ("hsdump-before", "hsdump-held", "hsdump-after"):
+        assert protocol.request_status(dump_dir, rid).done is not None, rid
+    for i in range(4):  # the marker written for the stall stays (nothing rewrites it)
+        assert "stalled" in _error(dump_dir, f"hsdump-stall{i}").reason
+        assert protocol.list_chunks(dump_dir, f"hsdump-stall{i}") == []
+    stats = w.stats
+    assert stats.requests_done == 3 and stats.requests_failed == 4
+    assert stats.stalls == 1 and not stats.stalled and stats.internal_errors == 0
+    assert _temp_files(dump_dir) == []
+
+
+def test_a_stopped_writer_process_fails_requests_in_time_and_recovers(dump_dir: Path) -> None:
+    """SIGSTOP the writer process (as a D state or a starved CPU would hold it) with the
+    staging full: no submit waits longer than the stall bound, the requests get error markers
+    naming the stall, the counters say stalled; after SIGCONT dumping resumes."""
+    w = DumpWriter(dump_dir, max_inflight_bytes=256 << 10, min_free_bytes=0, threads=2,
+                   device=CPU, mode="process", stall_s=STALL_S)
+    w.submit(_meta("hsdump-before", 0), _tensors(_batch(10, seed=19), 0, 10), prompt_len=10)
+    assert w.flush(timeout=30)  # the writer process runs
+    pid = w.writer_pid
+    os.kill(pid, signal.SIGSTOP)
+    _check_stall_and_recovery(w, dump_dir, lambda: os.kill(pid, signal.SIGCONT),
+                              f"writer process (pid {pid}) is")
+    assert w.stats.writer_process_deaths == 0
+
+
+def test_a_blocked_writer_thread_fails_requests_in_time_and_recovers(
+        dump_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Thread mode: the only writer thread blocks in its write system call (a filesystem that
+    stops answering) with the staging full: the same bound, markers and recovery."""
+    gate = threading.Event()
+    pwritev = os.pwritev
+
+    def stuck_filesystem(fd: int, buffers: list, offset: int) -> int:
+        gate.wait()
+        return pwritev(fd, buffers, offset)
+
+    w = DumpWriter(dump_dir, max_inflight_bytes=256 << 10, min_free_bytes=0, threads=1,
+                   device=CPU, mode="thread", stall_s=STALL_S)
+    w.submit(_meta("hsdump-before", 0), _tensors(_batch(10, seed=19), 0, 10), prompt_len=10)
+    assert w.flush(timeout=30)
+    monkeypatch.setattr(os, "pwritev", stuck_filesystem)
+    _check_stall_and_recovery(w, dump_dir, gate.set, "writer threads are")
+
+
+def test_stall_setting_defaults_to_seconds_far_below_the_watchdog() -> None:
+    """SGLANG_HS_DUMP_STALL_S bounds each forward's wait for the writer (default 5 s); a value
+    that is not a number of seconds in (0, 60] is a clear start-up error."""
+    from hsdump_patch.capture.config import ENV_STALL_S, ConfigError, DumpConfig
+
+    env = {protocol.ENV_DIR: "/dev/shm/x"}
+    assert DumpConfig.from_env(env).stall_s == 5.0
+    assert DumpConfig.from_env({**env, ENV_STALL_S: "0.25"}).stall_s == 0.25
+    for bad in ("0", "-1", "301", "nan", "soon"):
+        with pytest.raises(ConfigError, match=f"SGLANG_HS_DUMP_STALL_S='{bad}' must be a number "
+                                              r"of seconds in \(0, 60\]"):
+            DumpConfig.from_env({**env, ENV_STALL_S: bad})
