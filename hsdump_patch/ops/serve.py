@@ -7,7 +7,9 @@ same flag, refuses arguments that contradict extraction, then replaces itself wi
 
 With ``--bridge`` it stays as the parent of two processes instead: the server, and once the
 server answers ``/ready``, ``hsdump bridge`` beside it (SpecForge's online capture, see
-docs/online.md). Either one exiting stops the other; a failed bridge's last lines are repeated.
+docs/online.md). The server exiting stops the bridge and ends ``hsdump serve``; the bridge
+exiting is logged with its last lines and it alone is restarted (backoff, at most
+``BRIDGE_MAX_RESTARTS`` per ``BRIDGE_RESTART_WINDOW``): the server keeps serving.
 """
 
 from __future__ import annotations
@@ -48,6 +50,14 @@ GRAPH_FLAGS = {"cuda_graph_backend_prefill": "--cuda-graph-backend-prefill",
 LOCAL_HOSTS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
 DEFAULT_BRIDGE_WAIT = 3600.0  # a Kimi-K2.5 load plus first-start autotuning (the image's)
 BRIDGE_LOG_LINES = 40  # a failed bridge's last lines, repeated when it exits
+# The bridge's restarts: 1 s doubling to 30 s, back to 1 s after a run of BRIDGE_HEALTHY_S;
+# beyond BRIDGE_MAX_RESTARTS within BRIDGE_RESTART_WINDOW s (a crash loop, logged) the next one
+# waits until the window allows it.
+BRIDGE_BACKOFF = (1.0, 30.0)
+BRIDGE_HEALTHY_S = 60.0
+BRIDGE_MAX_RESTARTS = 5
+BRIDGE_RESTART_WINDOW = 300.0
+SUPERVISE_POLL_S = 0.2
 
 
 class ServeError(ValueError):
@@ -217,15 +227,90 @@ def _ready(url: str) -> bool:
     return False
 
 
+def _exit_status(rc: int) -> str:
+    """``rc`` as a person reads it: ``3``, or ``-9 (SIGKILL)``."""
+    if rc < 0:
+        with contextlib.suppress(ValueError):
+            return f"{rc} ({signal.Signals(-rc).name})"
+    return str(rc)
+
+
+class _Bridge:
+    """The supervised ``hsdump bridge``: its process, its output relayed to stderr and its
+    last ``BRIDGE_LOG_LINES`` lines kept, its restarts."""
+
+    def __init__(self, launch: Launch) -> None:
+        self.launch = launch
+        self.proc: subprocess.Popen | None = None
+        self.started = 0.0
+        self.next_start = 0.0  # monotonic time of the next (re)start
+        self.delay = BRIDGE_BACKOFF[0]
+        self.restarts: collections.deque[float] = collections.deque()
+        self.tail: collections.deque[str] = collections.deque(maxlen=BRIDGE_LOG_LINES)
+        self._reader: threading.Thread | None = None
+
+    def start(self) -> None:
+        assert self.launch.bridge_argv is not None
+        self.tail = tail = collections.deque(maxlen=BRIDGE_LOG_LINES)
+        self.proc = proc = subprocess.Popen(
+            self.launch.bridge_argv, env=self.launch.env, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.started = time.monotonic()
+
+        def relay() -> None:  # the bridge's output goes to stderr as it comes
+            for line in proc.stdout:
+                tail.append(line)
+                sys.stderr.write(line)
+                sys.stderr.flush()
+
+        self._reader = threading.Thread(target=relay, daemon=True)
+        self._reader.start()
+
+    def reap(self) -> None:
+        """If the bridge exited: log it with its last lines and schedule its restart."""
+        if self.proc is None or self.proc.poll() is None:
+            return
+        rc, ran = self.proc.returncode, time.monotonic() - self.started
+        if self._reader is not None:
+            self._reader.join(timeout=10)
+        self.proc = None
+        now = time.monotonic()
+        if ran >= BRIDGE_HEALTHY_S:
+            self.delay = BRIDGE_BACKOFF[0]
+        while self.restarts and now - self.restarts[0] > BRIDGE_RESTART_WINDOW:
+            self.restarts.popleft()
+        wait = self.delay
+        loop = ""
+        if len(self.restarts) >= BRIDGE_MAX_RESTARTS:
+            wait = max(wait, self.restarts[0] + BRIDGE_RESTART_WINDOW - now)
+            loop = (f" The bridge is crash-looping: {len(self.restarts)} restarts in the last "
+                    f"{BRIDGE_RESTART_WINDOW:g} s (at most {BRIDGE_MAX_RESTARTS}).")
+        self.delay = min(self.delay * 2, BRIDGE_BACKOFF[1])
+        self.next_start = now + wait
+        _say(f"the bridge exited with {_exit_status(rc)} after {ran:.1f} s; the server keeps "
+             f"serving.{loop} Restarting the bridge in {wait:.1f} s; its last lines:\n"
+             + "".join(self.tail).rstrip("\n"))
+
+    def due(self) -> bool:
+        return self.proc is None and time.monotonic() >= self.next_start
+
+    def restart(self) -> None:
+        self.restarts.append(time.monotonic())
+        _say(f"restarting the bridge (restart {len(self.restarts)} in the last "
+             f"{BRIDGE_RESTART_WINDOW:g} s)")
+        self.start()
+
+
 def supervise(launch: Launch, ready_timeout: float) -> int:
-    """Run the server, then (once ``/ready``) the bridge, until either exits or a SIGTERM /
-    SIGINT comes; stop both. The server's exit code, or 1 when the bridge failed."""
+    """Run the server, then (once ``/ready``) the bridge, until the server exits or a SIGTERM /
+    SIGINT comes; stop both. The bridge exiting restarts it alone (:class:`_Bridge`). Returns
+    the server's exit code (0 after a signal, 1 when it was not ready in time)."""
     assert launch.bridge_argv is not None
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     server = subprocess.Popen(launch.argv, env=launch.env, start_new_session=True)
-    proc: subprocess.Popen | None = None
+    sidecar = _Bridge(launch)
     try:
         deadline = time.monotonic() + ready_timeout
         while not _ready(launch.ready_url):
@@ -239,31 +324,19 @@ def supervise(launch: Launch, ready_timeout: float) -> int:
             if stop.wait(2):
                 return 0
         _say("the server is ready: starting the bridge")
-        proc = subprocess.Popen(launch.bridge_argv, env=launch.env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        tail: collections.deque[str] = collections.deque(maxlen=BRIDGE_LOG_LINES)
-
-        def relay() -> None:  # the bridge's output goes to stderr as it comes
-            for line in proc.stdout:
-                tail.append(line)
-                sys.stderr.write(line)
-                sys.stderr.flush()
-
-        reader = threading.Thread(target=relay, daemon=True)
-        reader.start()
-        while not stop.wait(1):
+        sidecar.start()
+        while not stop.wait(SUPERVISE_POLL_S):
             if server.poll() is not None:
-                _say(f"the server exited with {server.returncode}: stopping the bridge")
+                _say(f"the server exited with {_exit_status(server.returncode)}: stopping the "
+                     "bridge")
                 return server.returncode
-            if proc.poll() is not None:
-                reader.join(timeout=10)
-                _say(f"the bridge exited with {proc.returncode}: stopping the server; its last "
-                     "lines:\n" + "".join(tail))
-                return 1
+            sidecar.reap()
+            if sidecar.due():
+                sidecar.restart()
         return 0
     finally:
-        if proc is not None:
-            stop_group(proc)
+        if sidecar.proc is not None:
+            stop_group(sidecar.proc)
         stop_group(server)
         if server.returncode not in (None, 0, -signal.SIGTERM):
             _say(f"the server stopped with {server.returncode}")
@@ -298,7 +371,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    default=env("HSDUMP_BRIDGE", "0") == "1",
                    help="also run hsdump bridge (SpecForge's online capture into Mooncake, "
                         "docs/online.md) beside the server, started once the server is ready "
-                        "(default: off; $HSDUMP_BRIDGE=1 turns it on)")
+                        "and restarted alone when it exits (default: off; $HSDUMP_BRIDGE=1 "
+                        "turns it on)")
     p.add_argument("--mooncake-master", default=env("HSDUMP_MOONCAKE_MASTER"),
                    help="the bridge's Mooncake master, host:port (default: "
                         "$HSDUMP_MOONCAKE_MASTER; required with --bridge)")

@@ -868,22 +868,32 @@ def test_hsdump_serve_bridge_starts_it_once_the_server_is_ready_and_stops_both(
 
 
 @pytest.mark.server
-def test_hsdump_serve_bridge_failure_stops_the_server_and_shows_the_bridges_log(
+def test_hsdump_serve_bridge_failure_restarts_the_bridge_and_keeps_the_server(
         mooncake, tiny_models, tmp_path) -> None:
-    """A bridge that cannot start (here: a dump dir without the server's server.json) ends
-    ``hsdump serve`` with exit 1, the bridge's own message repeated, and the server stopped."""
+    """A bridge that cannot start (here: a dump dir without the server's server.json) is logged
+    with its exit status and its own message, and restarted alone: the server keeps serving;
+    SIGTERM then stops both (exit 0)."""
+    import requests
+
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     proc, log, port, bport = _serve_with_bridge(tiny_models, tmp_path, mooncake,
                                                 f"--bridge-arg=--dump-dir={foreign}")
     try:
-        rc = proc.wait(timeout=600)
+        deadline = time.monotonic() + 600
+        while log.read_text().count("the bridge exited with 2 after") < 2:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(1)
+        assert requests.get(f"http://127.0.0.1:{port}/health", timeout=30).status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
     text = log.read_text()
-    assert rc == 1, text[-3000:]
-    assert "the bridge exited with 2: stopping the server; its last lines:" in text, text[-3000:]
+    assert rc == 0, text[-3000:]
+    assert "the server keeps serving" in text and "restarting the bridge (restart 1" in text
     tail = text.split("its last lines:")[1]
     assert "no usable server.json in --dump-dir" in tail, tail
     assert not _listens(port) and not _listens(bport)
