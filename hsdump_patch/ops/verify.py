@@ -18,10 +18,12 @@ c. outputs (token ids and every logprob) are bitwise identical with the dump on 
 d. every rank installed the capture and exactly one writes;
 e. the configurations the patch must refuse are refused (SGLang's resolved config, and a real
    launch);
-f. the dump's overhead: the forward at Kimi-K2.5's shapes on vs off (``scripts/bench_forward.py``
-   on the GPU, 2% floor), prefill tokens/s on vs off, writer-rank vs other-rank peak GPU
-   memory, the writer rank's CPU time, and no staging page left pageable by a failed
-   ``cudaHostRegister`` (``status.json``).
+f. the dump's cost: on the dump-on server, the same prompts sent with and without the dump
+   prefix in ABBA blocks (:mod:`hsdump_patch.ops.verify_cost`; the ratio of SGLang's
+   per-request times, its 95% interval and n; fails only when the lower bound is above the
+   floor, 1.05 on GPU), prefill tokens/s on vs off, the writer GPU's (by device id) vs the
+   other ranks' peak memory, the writer rank's CPU time (its writer child included), and no
+   staging page left pageable by a failed ``cudaHostRegister`` (``status.json``).
 
 Prints a verdict table, writes a JSON report, exits 1 on any FAIL. Without a GPU it runs the
 CPU variant (TP 1 and 2, proportionally smaller batches).
@@ -35,7 +37,6 @@ import os
 import random
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -50,8 +51,14 @@ from hsdump_patch import protocol
 from hsdump_patch.client.dumps.dumpdir import read_request, wait_for_marker
 from hsdump_patch.client.output.records import RecordBuilder
 from hsdump_patch.client.output.report import format_table
-from hsdump_patch.ops import serve, verify_checks, verify_model
-from hsdump_patch.ops.verify_server import AUX_ARGS, CPU_SERVER_ARGS, VerifyServer, run_refused
+from hsdump_patch.ops import blackwell, serve, verify_checks, verify_cost, verify_model
+from hsdump_patch.ops.verify_server import (
+    AUX_ARGS,
+    CPU_SERVER_ARGS,
+    VerifyServer,
+    cuda_device_uuids,
+    run_refused,
+)
 from hsdump_patch.protocol import ENV_DIR
 
 RID = "hsdump-verify-"
@@ -108,6 +115,10 @@ class Settings:
     min_prefill_ratio: float
     max_writer_extra_mib: float
     server_timeout: float
+    max_cost_ratio: float = verify_cost.GPU_MAX_RATIO
+    cost_blocks: int = verify_cost.GPU_BLOCKS
+    capability: tuple[int, int] | None = None  # the GPUs' lowest compute capability
+    device_uuids: dict[int, str] = field(default_factory=dict)  # CUDA device id: GPU uuid
     gen_tokens: int = 8
     throughput_rounds: int = 3
     progress: bool = True
@@ -335,6 +346,10 @@ def measure_prefill(server: VerifyServer, settings: Settings) -> dict[str, Any]:
         return wall
 
     one_round(0)
+    deadline = time.monotonic() + 30  # status.json names the writer process (counted in CPU)
+    while server.dump_dir is not None and server.writer_pid() is None \
+            and time.monotonic() < deadline:
+        time.sleep(0.2)
     cpu0 = server.rank_cpu_seconds()
     t0 = time.perf_counter()
     prefill_wall = sum(one_round(r) for r in range(1, settings.throughput_rounds + 1))
@@ -345,6 +360,27 @@ def measure_prefill(server: VerifyServer, settings: Settings) -> dict[str, Any]:
             "prefill_tokens_per_s": tokens / prefill_wall,
             "end_to_end_tokens_per_s": tokens / total_wall,
             "rank_cpu_s": {r: round(cpu1[r] - cpu0.get(r, 0.0), 3) for r in cpu1}}
+
+
+def check_cost(server: VerifyServer, settings: Settings, chunk: int) -> Verdict:
+    """Check (f) on the dump-on server: prompts of two ``chunk``-token forwards sent with and
+    without the dump prefix in ABBA blocks (:mod:`hsdump_patch.ops.verify_cost`); fails when
+    the lower 95% bound of dumped / undumped is above ``settings.max_cost_ratio`` or a dumped
+    request left no done marker."""
+    assert server.dump_dir is not None
+    scope = f"tp {server.tp} cost (ABBA)"
+    prefix = protocol.read_server_info(server.dump_dir).rid_prefix
+    prompts = [prompt(11000 + i, 2 * chunk) for i in range(settings.cost_blocks)]
+    m = verify_cost.measure(server, prompts, prefix, f"verify-cost-tp{server.tp}")
+    stats = verify_cost.abba_stats(m["on_s"], m["off_s"])
+    passed, detail = verify_cost.cost_verdict(stats, settings.max_cost_ratio)
+    if settings.device != "cuda":
+        detail += " (CPU: plumbing, the writer shares the cores with the forward)"
+    detail += f"; prompts of {2 * chunk} tokens = 2 forwards at --chunked-prefill-size {chunk}"
+    data = {**stats.to_json(), "floor": settings.max_cost_ratio, "chunk": chunk, **m}
+    if m["problems"]:
+        return Verdict("f", scope, FAIL, "; ".join([*m["problems"][:3], detail]), data)
+    return Verdict("f", scope, PASS if passed else FAIL, detail, data)
 
 
 def check_ranks(server: VerifyServer) -> Verdict:
@@ -432,10 +468,11 @@ class TpRun:
     verdicts: list[Verdict] = field(default_factory=list)
     gen: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # on/off: 2 runs
     tput: dict[str, dict[str, Any]] = field(default_factory=dict)
-    memory: dict[str, dict[int, int] | str] = field(default_factory=dict)
+    memory: dict[str, dict[int, int] | str] = field(default_factory=dict)  # by CUDA device id
+    devices: list[int] = field(default_factory=list)  # the ranks' CUDA device ids
     dump_bytes_per_token: int = 0
     start_s: dict[str, float] = field(default_factory=dict)  # server start-up times
-    capture_buffer: dict[str, int] | None = None
+    capture_buffer: dict[str, Any] | None = None
 
 
 # SGLang 0.5.23 keeps no count of fused calls; its log says whether the fusion was switched on
@@ -451,13 +488,18 @@ _FUSION_OFF = ("Disabling flashinfer allreduce fusion permanently",
                "FlashInfer comm not available", "allreduce fusion is forcibly disabled")
 
 
-def fused_allreduce(log: str, device: str, tp: int) -> dict[str, Any]:
+def fused_allreduce(log: str, device: str, tp: int,
+                    capability: tuple[int, int] | None = None) -> dict[str, Any]:
     """Whether flashinfer's fused all-reduce + residual + RMSNorm ran on a server, from what
-    SGLang logs: ``ran`` is True, False or None (not applicable), ``why`` says how it is known."""
+    SGLang logs: ``ran`` is True, False or None (not applicable), ``why`` says how it is known.
+    SGLang 0.5.23 enables it only on sm90 / sm100 (``arg_groups/overrides.py``)."""
     if device != "cuda":
         return {"ran": None, "why": "not applicable: no GPU"}
     if tp < 2:
         return {"ran": None, "why": "not applicable: TP 1 has no all-reduce"}
+    if capability is not None and capability[0] not in (9, 10):
+        return {"ran": None, "why": "not applicable: SGLang enables it only on sm90 / sm100, "
+                                    f"this GPU is sm{capability[0]}{capability[1]}"}
     off = [m for m in _FUSION_OFF if m in log]
     ready = {int(r): (b, int(n)) for b, r, n in _FUSION_READY.findall(log)}
     on = _FUSION_ON.search(log)
@@ -475,15 +517,24 @@ def fused_allreduce(log: str, device: str, tp: int) -> dict[str, Any]:
                                  f"{len(ready)} of {tp} ranks"}
 
 
-def capture_buffer(log: str) -> dict[str, int] | None:
+def capture_buffer(log: str) -> dict[str, Any] | None:
     """The writer's device buffers as the capture logs them (the last, largest ones): one
-    buffer's shape and size, how many are used in turn, and their total."""
+    buffer's shape and size, how many are used in turn, their total, and the writer's device
+    (``cuda:N``)."""
     found = re.findall(r"hsdump: capture buffer of (\d+) tokens x (\d+) states x (\d+) "
-                       r"\((\d+) MiB\) on \S+, (\d+) used in turn: (\d+) MiB", log)
+                       r"\((\d+) MiB\) on (\S+), (\d+) used in turn: (\d+) MiB", log)
     if not found:
         return None
-    return dict(zip(("tokens", "states", "hidden", "mib", "count", "total_mib"),
-                    map(int, found[-1]), strict=True))
+    sizes, device = (*found[-1][:4], *found[-1][5:]), found[-1][4]
+    out: dict[str, Any] = dict(zip(("tokens", "states", "hidden", "mib", "count", "total_mib"),
+                                   map(int, sizes), strict=True))
+    return {**out, "device": device}
+
+
+def writer_device(buf: dict[str, Any] | None, devices: list[int]) -> int:
+    """The writer's CUDA device id: from the capture's log (``cuda:N``), else the first rank's."""
+    m = re.fullmatch(r"cuda:(\d+)", str((buf or {}).get("device", "")))
+    return int(m.group(1)) if m else devices[0]
 
 
 def run_tp(settings: Settings, model: Path, tp: int, dumps: dict[str, Dumped]) -> TpRun:
@@ -499,11 +550,14 @@ def run_tp(settings: Settings, model: Path, tp: int, dumps: dict[str, Dumped]) -
         try:
             say(settings, f"{name}: ready in {server.started_s:.0f} s; checking")
             key = "on" if dump else "off"
+            sinfo = server.server_info()
+            base, step = int(sinfo.get("base_gpu_id") or 0), int(sinfo.get("gpu_id_step") or 1)
+            res.devices = [base + r * step for r in range(tp)]
             if dump:
-                chunk = int(server.server_info().get("chunked_prefill_size") or 0)
+                chunk = int(sinfo.get("chunked_prefill_size") or 0)
                 chunk = chunk if chunk > 0 else 4 * settings.fusion_tokens
                 aux = check_aux(server, settings.fusion_tokens, chunk, dumps)
-                fused = fused_allreduce(server.log(), settings.device, tp)
+                fused = fused_allreduce(server.log(), settings.device, tp, settings.capability)
                 aux.data["fused_allreduce_rmsnorm"] = fused
                 aux.detail += f"; fused all-reduce + RMSNorm: {fused['why']}"
                 res.verdicts.append(aux)
@@ -514,6 +568,13 @@ def run_tp(settings: Settings, model: Path, tp: int, dumps: dict[str, Dumped]) -
             res.gen[key] = [generate_outputs(server, settings, r) for r in (0, 1)]
             res.tput[key] = measure_prefill(server, settings)
             if dump:
+                say(settings, f"{name}: timing the dump's cost (ABBA, with and without the "
+                    "dump prefix)")
+                try:
+                    res.verdicts.append(check_cost(server, settings, chunk))
+                except Exception as e:  # (f)'s cost only: the other checks go on
+                    res.verdicts.append(Verdict("f", f"tp {tp} cost (ABBA)", FAIL,
+                                                f"{type(e).__name__}: {e}"[:2000]))
                 res.verdicts.append(check_ranks(server))
                 res.verdicts.append(check_staging(writer_status(server.dump_dir), tp))
                 res.capture_buffer = capture_buffer(server.log())
@@ -525,7 +586,8 @@ def run_tp(settings: Settings, model: Path, tp: int, dumps: dict[str, Dumped]) -
             if server.dump_dir is not None:  # everything in it was read
                 shutil.rmtree(server.dump_dir, ignore_errors=True)
         if server.memory is not None:
-            res.memory[key] = server.memory.error or dict(server.memory.peaks_mib)
+            res.memory[key] = server.memory.error or server.memory.peaks_by_device(
+                settings.device_uuids)
     return res
 
 
@@ -573,15 +635,21 @@ def check_overhead(res: TpRun, settings: Settings) -> Verdict:
         if not isinstance(peaks_on, dict) or not isinstance(peaks_off, dict) or not peaks_on:
             mem = f"peak device memory not measured ({peaks_on or peaks_off})"
         else:
-            def excess(peaks: dict[int, int]) -> int:  # writer (GPU 0) over the others
-                others = [peaks[i] for i in range(1, res.tp) if i in peaks]
-                return peaks[0] - max(others) if others else peaks[0]
+            devices = res.devices or list(range(res.tp))
+            wdev = writer_device(res.capture_buffer, devices)
+            others = [d for d in devices if d != wdev]
+
+            def excess(peaks: dict[int, int]) -> int:  # the writer's GPU over the others
+                rest = [peaks[d] for d in others if d in peaks]
+                return peaks.get(wdev, 0) - max(rest) if rest else peaks.get(wdev, 0)
 
             extra = excess(peaks_on) - excess(peaks_off)
-            data.update(peak_mib_on=peaks_on, peak_mib_off=peaks_off, writer_extra_mib=extra)
-            mem = (f"writer rank peak {peaks_on[0]} MiB vs "
-                   f"{max((peaks_on[i] for i in range(1, res.tp)), default=peaks_off[0])} MiB "
-                   f"on {'the other ranks' if res.tp > 1 else 'the dump-off server'}: "
+            data.update(peak_mib_on=peaks_on, peak_mib_off=peaks_off, writer_extra_mib=extra,
+                        writer_device=wdev)
+            rest_on = [peaks_on[d] for d in others if d in peaks_on]
+            mem = (f"writer GPU (cuda:{wdev}) peak {peaks_on.get(wdev, 0)} MiB vs "
+                   f"{max(rest_on, default=peaks_off.get(wdev, 0))} MiB "
+                   f"on {'the other ranks' if others else 'the dump-off server'}: "
                    f"{extra:+d} MiB for the dump")
             if extra > settings.max_writer_extra_mib:
                 problems.append(f"the writer rank uses {extra} MiB more device memory than the "
@@ -598,43 +666,6 @@ def check_overhead(res: TpRun, settings: Settings) -> Verdict:
               f"{writer_cpu:+.2f} s for {gb:.3f} GB dumped")
     return Verdict("f", f"tp {res.tp}", FAIL if problems else PASS,
                    "; ".join([*problems, detail]) if problems else detail, data)
-
-
-# The forward benchmark of a checkout (not in the image): the real capture ordering and writer
-# at Kimi-K2.5's shapes (hidden 7168, 61 layers, chunks of 2k / 8k / 16k tokens).
-BENCH_FORWARD = Path(__file__).resolve().parents[2] / "scripts" / "bench_forward.py"
-FORWARD_MAX_RATIO = 1.02  # the floor: a 2% slower forward with the dump on fails
-
-
-def check_forward_overhead(settings: Settings) -> Verdict:
-    """Check (f) at Kimi-K2.5's shapes: ``scripts/bench_forward.py`` on this host's GPU (dump
-    on vs off through the real capture ordering and writer, medians of ABBA samples); the
-    served model's throughput cannot show 2%."""
-    scope = "forward at Kimi-K2.5 shapes"
-    if settings.device != "cuda":
-        return Verdict("f", scope, SKIP, "skipped: no GPU (the forward benchmark measures "
-                       "device-to-host copies against a GPU forward)")
-    if not BENCH_FORWARD.is_file():
-        return Verdict("f", scope, SKIP, f"skipped: {BENCH_FORWARD} is not in this install "
-                       "(the image has no scripts/): run it from a checkout")
-    out = settings.work / "bench_forward.json"
-    say(settings, "running scripts/bench_forward.py at Kimi-K2.5 shapes")
-    r = subprocess.run([sys.executable, str(BENCH_FORWARD), "--device", "cuda",
-                        "--us-per-token", "5,20", "--json", str(out)], capture_output=True,
-                       text=True, timeout=3600, check=False,
-                       env={**os.environ, "PYTHONPATH": str(BENCH_FORWARD.parents[1])})
-    try:
-        result = json.loads(out.read_text())
-    except (OSError, ValueError):
-        return Verdict("f", scope, FAIL, f"bench_forward exited {r.returncode} without a "
-                       f"result: {(r.stdout + r.stderr)[-500:]!r}")
-    worst = max(result["rows"], key=lambda row: row["on_vs_off"])
-    data = {"rows": result["rows"], "errors": result["errors"], "max_ratio": FORWARD_MAX_RATIO}
-    detail = (f"worst forward on/off {worst['on_vs_off']:.3f} at {worst['tokens']} tokens, "
-              f"{worst['us_per_token_off']:.1f} us/token (floor {FORWARD_MAX_RATIO}); "
-              f"{result['verified_values']:,} dumped values checked")
-    bad = worst["on_vs_off"] > FORWARD_MAX_RATIO or result["errors"] or r.returncode
-    return Verdict("f", scope, FAIL if bad else PASS, detail, data)
 
 
 def check_reference(settings: Settings, model: Path, dumps: dict[str, Dumped]) -> Verdict:
@@ -762,7 +793,6 @@ def run(settings: Settings) -> tuple[list[Verdict], dict[str, Any]]:
         verdicts += res.verdicts
         facts["server_start_s"].update(res.start_s)
         verdicts += [check_outputs(res), check_overhead(res, settings)]
-    verdicts += _guarded("f", lambda: [check_forward_overhead(settings)])
     say(settings, "checking the refused configurations")
     verdicts += _guarded("e", lambda: check_refusals(settings, model))
     say(settings, f"computing the fp32 reference for {len(dumps)} dumped prompts")
@@ -810,6 +840,11 @@ def main(args: argparse.Namespace) -> int:
         else (0.9 if device == "cuda" else 0.1),
         max_writer_extra_mib=args.max_writer_extra_mib,
         server_timeout=args.server_timeout,
+        max_cost_ratio=args.max_cost_ratio if args.max_cost_ratio is not None
+        else (verify_cost.GPU_MAX_RATIO if device == "cuda" else verify_cost.CPU_MAX_RATIO),
+        cost_blocks=verify_cost.GPU_BLOCKS if device == "cuda" else verify_cost.CPU_BLOCKS,
+        capability=blackwell.detect_compute_capability() if device == "cuda" else None,
+        device_uuids=cuda_device_uuids() if device == "cuda" else {},
         # On CPU (f) is a plumbing check with a 0.1 floor: one timed round, not three.
         throughput_rounds=Settings.throughput_rounds if device == "cuda" else 1,
         progress=not args.no_progress,
@@ -842,7 +877,8 @@ def add_parser(subparsers: Any) -> None:
         "serve profile (dump on and off, at each TP size) and check: (a) the dump equals "
         "SGLang's own EAGLE-3 capture bit for bit, (b) an fp32 reference within a bound, (c) "
         "outputs are identical with the dump on and off, (d) every rank installed the capture "
-        "and one writes, (e) refused configurations are refused, (f) the dump's overhead. "
+        "and one writes, (e) refused configurations are refused, (f) the dump's cost on "
+        "this server (same prompts with and without the dump prefix, ABBA) and overhead. "
         "Prints a verdict table, writes a JSON report; exit 1 on any FAIL.",
     )
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
@@ -862,6 +898,11 @@ def add_parser(subparsers: Any) -> None:
                    help="fail (f) when prefill tokens/s with the dump on is below this fraction "
                         "of off (default: 0.9 on GPU; 0.1 on CPU, where the writer shares the "
                         "cores with the forward and timings are noisy)")
+    p.add_argument("--max-cost-ratio", type=float, default=None,
+                   help="fail (f) when the lower 95%% bound of prefill time with the dump prefix "
+                        "over without it (ABBA on the dump-on server) is above this (default: "
+                        f"{verify_cost.GPU_MAX_RATIO} on GPU; {verify_cost.CPU_MAX_RATIO} on "
+                        "CPU, a plumbing check)")
     p.add_argument("--max-writer-extra-mib", type=float, default=1024,
                    help="fail (f) when the writer rank's peak device memory exceeds the other "
                         "ranks' by more than this, beyond the dump-off difference (default: 1024)")

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import shutil
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -16,6 +18,7 @@ from typing import Any
 
 import requests
 
+from hsdump_patch import protocol
 from hsdump_patch.ops import launch, serve
 from hsdump_patch.protocol import ENV_DIR
 
@@ -100,15 +103,37 @@ class VerifyServer(launch.Server):
                 ranks[int(tag.split("_")[0])] = child.pid
         return ranks
 
+    def writer_pid(self) -> int | None:
+        """The writer process (``writer.writer_pid`` of the dump dir's ``status.json``), None
+        without one (dump off, or nothing published yet)."""
+        if self.dump_dir is None:
+            return None
+        try:
+            status = json.loads((self.dump_dir / protocol.STATUS).read_text())
+            return int(status["writer"]["writer_pid"]) or None
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
     def rank_cpu_seconds(self) -> dict[int, float]:
-        """CPU seconds (user + system, all threads) used so far by each rank's scheduler."""
+        """CPU seconds (user + system, all threads) used so far by each rank's scheduler; the
+        writer rank's includes its writer child process (process mode), whose pid is in
+        ``status.json``."""
         import psutil
 
-        out = {}
-        for rank, pid in self.rank_pids().items():
+        pids = self.rank_pids()
+        procs = {rank: [pid] for rank, pid in pids.items()}
+        writer = self.writer_pid()
+        if writer is not None and writer not in pids.values():
             with contextlib.suppress(psutil.Error):
-                t = psutil.Process(pid).cpu_times()
-                out[rank] = t.user + t.system
+                parent = psutil.Process(writer).ppid()
+                rank = next((r for r, p in pids.items() if p == parent), 0)
+                procs.setdefault(rank, []).append(writer)
+        out: dict[int, float] = {}
+        for rank, ranked in procs.items():
+            for pid in ranked:
+                with contextlib.suppress(psutil.Error):
+                    t = psutil.Process(pid).cpu_times()
+                    out[rank] = out.get(rank, 0.0) + t.user + t.system
         return out
 
     def __post_init__(self) -> None:
@@ -135,12 +160,27 @@ def run_refused(model: Path, work: Path, name: str, flags: list[str] | None, *, 
                                  timeout=timeout)
 
 
+def cuda_device_uuids() -> dict[int, str]:
+    """``{CUDA device id: GPU uuid as nvidia-smi prints it}`` as the servers number their
+    devices (this environment's ``CUDA_VISIBLE_DEVICES`` and ordering), asked of torch in a
+    child process so this one holds no CUDA context; empty when that fails."""
+    code = ("import torch\nfor i in range(torch.cuda.device_count()):\n"
+            "    print(i, 'GPU-' + str(torch.cuda.get_device_properties(i).uuid))")
+    try:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=120, check=True)
+        return {int(i): u for i, u in (line.split() for line in r.stdout.splitlines())}
+    except (subprocess.SubprocessError, OSError, ValueError):
+        return {}
+
+
 @dataclass
 class GpuMemorySampler:
-    """Peak ``memory.used`` per GPU index, polled from ``nvidia-smi`` in a thread."""
+    """Peak ``memory.used`` per GPU (by uuid), polled from ``nvidia-smi`` in a thread."""
 
     interval: float = 0.25
-    peaks_mib: dict[int, int] = field(default_factory=dict)
+    peaks_mib: dict[str, int] = field(default_factory=dict)  # by GPU uuid
+    indexes: dict[str, int] = field(default_factory=dict)  # nvidia-smi index of each uuid
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
     error: str | None = None
@@ -157,16 +197,24 @@ class GpuMemorySampler:
         while not self._stop.is_set():
             try:
                 out = subprocess.run(
-                    ["nvidia-smi", "--query-gpu=index,memory.used",
+                    ["nvidia-smi", "--query-gpu=index,uuid,memory.used",
                      "--format=csv,noheader,nounits"],
                     capture_output=True, text=True, timeout=30, check=True).stdout
                 for line in out.strip().splitlines():
-                    index, used = (int(x) for x in line.split(","))
-                    self.peaks_mib[index] = max(self.peaks_mib.get(index, 0), used)
+                    index, uuid, used = (x.strip() for x in line.split(","))
+                    self.indexes[uuid] = int(index)
+                    self.peaks_mib[uuid] = max(self.peaks_mib.get(uuid, 0), int(used))
             except (subprocess.SubprocessError, ValueError) as e:
                 self.error = f"nvidia-smi: {e}"
                 return
             self._stop.wait(self.interval)
+
+    def peaks_by_device(self, uuids: dict[int, str]) -> dict[int, int]:
+        """Peaks by CUDA device id (``uuids`` from :func:`cuda_device_uuids`); without them,
+        by nvidia-smi index (right only when both number the GPUs alike)."""
+        if uuids:
+            return {d: self.peaks_mib[u] for d, u in uuids.items() if u in self.peaks_mib}
+        return {self.indexes[u]: peak for u, peak in self.peaks_mib.items()}
 
     def stop(self) -> None:
         self._stop.set()

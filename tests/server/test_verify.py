@@ -10,14 +10,14 @@ import sys
 
 import pytest
 
-from hsdump_patch.ops import verify, verify_checks
+from hsdump_patch.ops import verify, verify_checks, verify_cost
 from tests.harness import server as srv
 
 EXPECTED = {("a", "tp 1"), ("a", "tp 2"), ("b", "all"), ("c", "tp 1"), ("c", "tp 2"),
             ("d", "tp 1"), ("d", "tp 2"), ("e", "resolved config"),
             ("e", "launch: radix cache on"), ("f", "tp 1"), ("f", "tp 2"),
-            ("f", "tp 1 staging"), ("f", "tp 2 staging"), ("f", "forward at Kimi-K2.5 shapes")}
-SKIPPED_ON_CPU = {("f", "forward at Kimi-K2.5 shapes")}
+            ("f", "tp 1 staging"), ("f", "tp 2 staging"), ("f", "tp 1 cost (ABBA)"),
+            ("f", "tp 2 cost (ABBA)")}
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +35,7 @@ def verify_run(tmp_path_factory, sglang_available):
 def test_cpu_variant_passes_every_check(verify_run):
     r, report, _ = verify_run
     checks = {(c["check"], c["scope"]): c for c in report["checks"]}
-    failed = {k: c["detail"] for k, c in checks.items()
-              if c["verdict"] != ("SKIP" if k in SKIPPED_ON_CPU else "PASS")}
+    failed = {k: c["detail"] for k, c in checks.items() if c["verdict"] != "PASS"}
     assert not failed, f"{failed}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     assert set(checks) == EXPECTED
     assert r.returncode == 0 and report["passed"] and report["tp"] == [1, 2]
@@ -82,7 +81,17 @@ def test_report_shows_what_each_check_covered(verify_run):
         assert buf["count"] == 2 and abs(buf["total_mib"] - 2 * buf["mib"]) <= 1, buf
     worst = checks["b", "all"]["data"]["worst"]
     assert worst["max_rel"] <= verify_checks.BF16_MAX_REL
-    assert "no GPU" in checks["f", "forward at Kimi-K2.5 shapes"]["detail"]
+    for tp in (1, 2):  # the dump's cost on the server: plumbing on CPU, its numbers printed
+        cost = checks["f", f"tp {tp} cost (ABBA)"]
+        data = cost["data"]
+        print(f"tp {tp} cost: {cost['detail']}")
+        assert data["n"] == verify_cost.CPU_BLOCKS == len(data["ratios"]) == len(data["blocks"])
+        assert data["floor"] == verify_cost.CPU_MAX_RATIO and data["problems"] == []
+        assert data["low"] <= data["mean"] <= data["high"] and all(r > 0 for r in data["ratios"])
+        assert all(b["tokens"] == 2 * data["chunk"] for b in data["blocks"])
+        assert "CPU: plumbing" in cost["detail"]
+        # the writer rank's CPU includes its writer child (process mode: status.json's pid)
+        assert checks["f", f"tp {tp}"]["data"]["on"]["rank_cpu_s"]["0"] > 0
     refusals = checks["e", "resolved config"]["data"]["cases"]
     assert len(refusals) == len(verify.REFUSED) + 1 and all(c["ok"] for c in refusals)
     # The real launch with the radix cache on (the suite's one launch refused by the guards on
