@@ -422,11 +422,13 @@ def _start_bridge(server: str, dump_dir: Path, mooncake: dict[str, str],
 
 
 def test_a_bridge_restarted_after_a_sigkill_mid_batch_removes_what_it_left(
-        mooncake, sink, dump_dir: Path, engine: DumpEngine, tmp_path: Path) -> None:
+        sink, dump_dir: Path, engine: DumpEngine, tmp_path: Path) -> None:
     """``hsdump bridge`` killed (SIGKILL) with a batch of three tasks in flight leaves their
     partial dump directories; the restarted bridge removes them before it serves. A live
     bridge's in-flight directory (another process's, on the same dump dir) and another
-    client's stay."""
+    client's stay. The killed bridge's Mooncake segment stays registered with its master
+    until the master drops it, and puts placed there then fail: this test's bridges use a
+    Mooncake of their own, not the module's."""
     import requests
 
     from hsdump_patch.client.extract import request_id
@@ -441,6 +443,8 @@ def test_a_bridge_restarted_after_a_sigkill_mid_batch_removes_what_it_left(
     live = posted.get(timeout=60)
     engine([[1] * 20], [request_id("hsdump-", "run1", "x")], [""])  # an extractor's
     kept = {p.name for p in dump_dir.iterdir() if p.is_dir()}
+    own = contextlib.ExitStack()
+    mooncake = own.enter_context(local_mooncake(tmp_path))
     killed, url = _start_bridge(server, dump_dir, mooncake, tmp_path / "killed.err")
     restarted = None
     try:
@@ -467,6 +471,7 @@ def test_a_bridge_restarted_after_a_sigkill_mid_batch_removes_what_it_left(
         standin.shutdown()
         standin.server_close()
         other.close()
+        own.close()
 
 
 def test_a_put_mooncake_refuses_leaves_none_of_the_tasks_keys(sink) -> None:
