@@ -52,6 +52,7 @@ def test_full_dump_dir_gives_error_markers_and_the_server_keeps_serving(small_fs
         rid = f"hsdump-space-{i}"
         s.server.generate(ids, rid=rid)
         status = wait_finished(s.dump_dir, rid)
+        assert status.finished, f"{rid}: no marker within 60 s (a dropped request)"
         outcomes.append("done" if status.done else "error")
         if status.error:
             assert "not enough free space" in status.error.reason
