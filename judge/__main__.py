@@ -29,12 +29,12 @@ from hsdump_patch.ops import launch
 from hsdump_patch.ops.serve import REQUIRED_ARGS
 from hsdump_patch.protocol import ENV_DRAFT_CONFIG
 from judge import anchor, controls, prompts, report, target
-from judge.train import UNTRAINED_LR, Result, Run, train
+from judge.train import REPO, UNTRAINED_LR, Result, Run, train
 from scripts.cpu_server import server_env
 
-REPO = Path(__file__).resolve().parents[1]
 HSDUMP = [sys.executable, "-m", "hsdump_patch.cli"]
-CONDITIONS = ("hsdump", "anchor", "shifted", "layer0", "original", "drafted")
+# What the judge trains on, hsdump's records first; the untrained drafter is run apart.
+CONDITIONS = tuple(c for c in report.CONDITIONS if c != "untrained")
 MAX_LENGTH = 2048  # SpecForge's data.max_length; `hsdump specforge --max-length` checks it
 
 
