@@ -456,8 +456,9 @@ class DumpWriter:
                     self._stall_mark = self._writer_progress()
                     self._stats.stalled = True
                     self._stats.stalls += 1
-                    logger.error("hsdump: %s", self._stall_reason())
-                    raise WriterStalled(self._stall_reason())
+                    reason = self._stall_reason()
+                    logger.error("hsdump: %s", reason)
+                    raise WriterStalled(reason)
                 self._cond.wait(left if poll is None else min(poll, left))
         finally:
             self._stats.forward_wait_s += time.perf_counter() - t0
