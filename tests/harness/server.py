@@ -16,11 +16,11 @@ from hsdump_patch.ops import launch as _launch
 from hsdump_patch.ops.launch import free_port
 from hsdump_patch.ops.serve import REQUIRED_ARGS
 from hsdump_patch.protocol import ENV_DIR
+from scripts.cpu_server import CPU_SHIM  # the CPU stand-ins (sgl_kernel, the CPU MLA fix)
 
 REPO = Path(__file__).resolve().parents[2]
-# The CPU stand-ins for SGLang (sgl_kernel, the CPU MLA fix), shared with `make smoke` and
-# `make verify`'s CPU variant; the fault injection (test-only) runs before them.
-CPU_SHIM = REPO / "tests" / "harness" / "cpu_shim"
+# The fault injection (test-only) runs before the CPU stand-ins, which `make smoke`, `make
+# judge` and `make verify`'s CPU variant put on their servers' path too.
 FAULT_SHIM = Path(__file__).resolve().parent / "fault_shim"
 # What every CPU test server needs.
 CPU_ARGS = [*_launch.CPU_ARGS, "--host", "127.0.0.1"]
